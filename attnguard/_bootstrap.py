@@ -1,0 +1,39 @@
+"""Environment -> activate(), for ``import attnguard``, the start-up hook and ``attnguard run``.
+
+Imports nothing heavy at module level: the start-up hook loads this in every guarded process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _in_startup_hook() -> bool:
+    hook = sys.modules.get("_attnguard_hook")
+    return bool(getattr(hook, "in_progress", False))
+
+
+_reported = False
+
+
+def activate_from_env() -> None:
+    """Activate with ATTNGUARD_* settings.
+
+    From user code a bad setting raises ValueError. Inside the interpreter start-up hook it is
+    printed once to stderr and the program runs unguarded: the hook never breaks Python.
+    """
+    global _reported
+    from .runtime import activate
+
+    if not _in_startup_hook():
+        activate()
+        return
+    try:
+        activate()
+    except BaseException as exc:
+        if not _reported:
+            _reported = True
+            try:
+                sys.stderr.write(f"{exc} (attnguard is off for this process)\n")
+            except BaseException:
+                pass

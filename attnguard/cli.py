@@ -1,0 +1,64 @@
+"""Command line: ``attnguard run -- CMD``, ``attnguard doctor``, ``attnguard summary FILES``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+
+def _run(cmd: Sequence[str]) -> int:
+    """Exec ``cmd`` with ATTNGUARD=1 (children such as torchrun's workers inherit it)."""
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print(
+            "attnguard run: give a command, e.g. attnguard run -- python train.py", file=sys.stderr
+        )
+        return 2
+    from .config import load
+
+    # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child.
+    load()
+    env = dict(os.environ, ATTNGUARD="1")
+    exe = shutil.which(cmd[0], path=env.get("PATH"))
+    if exe is None:
+        print(f"attnguard run: command not found: {cmd[0]}", file=sys.stderr)
+        return 127
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(exe, list(cmd), env)  # replaces this process: the exit code is the command's
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attnguard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_run = sub.add_parser("run", help="run a command with ATTNGUARD=1")
+    p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
+    p_doc = sub.add_parser("doctor", help="this machine's facts, backends and the plan for flash")
+    p_doc.add_argument("--json", action="store_true", help="machine-readable output")
+    p_sum = sub.add_parser("summary", help="merge per-rank JSON event files into one report")
+    p_sum.add_argument("files", nargs="+", help="JSON-lines files written with ATTNGUARD_LOG")
+    p_sum.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args.cmd)
+        if args.command == "doctor":
+            from .doctor import render
+
+            print(render(as_json=args.json))
+            return 0
+        from .summary import render_files
+
+        print(render_files(args.files, as_json=args.json))
+        return 0
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The patch ledger and the fail-open call helper shared by every integration.
+
+A :class:`Ledger` records (owner, attribute, original, wrapper) for each patch and undoes only what
+is still ours: if someone patched the same attribute after us, we leave their object in place
+rather than clobbering it.
+
+:func:`fail_open` runs a guard around an original callable: an error raised by attnguard's own code
+is reported once as ``internal_error`` and the unmodified original call runs instead; an error
+raised by the original itself propagates untouched.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import events
+
+T = TypeVar("T")
+
+_MISSING = object()
+
+
+@dataclass
+class PatchRecord:
+    owner: Any
+    attr: str
+    original: Any  # what owner.__dict__ held (descriptor for classmethods), or _MISSING
+    wrapper: Any
+
+
+class Ledger:
+    """Records the patches of one integration so they can be undone exactly."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.records: list[PatchRecord] = []
+        self._lock = threading.Lock()
+
+    def patch(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> Any:
+        """Replace ``owner.attr`` with ``make(original)``; returns the wrapper.
+
+        ``original`` is the raw object from the owner's ``__dict__`` (a ``classmethod`` stays a
+        classmethod), or the inherited attribute when the owner has none of its own.
+        """
+        with self._lock:
+            if any(r.owner is owner and r.attr == attr for r in self.records):
+                return getattr(owner, attr)  # already ours: patching is idempotent
+            own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+            original = own if own is not _MISSING else getattr(owner, attr)
+            wrapper = make(original)
+            setattr(owner, attr, wrapper)
+            self.records.append(PatchRecord(owner, attr, own, wrapper))
+            return wrapper
+
+    def is_patched(self, owner: Any, attr: str) -> bool:
+        return any(r.owner is owner and r.attr == attr for r in self.records)
+
+    def unpatch_all(self) -> list[PatchRecord]:
+        """Restore originals in reverse order; skip attributes someone else replaced since.
+
+        Returns the records that were skipped (not ours anymore).
+        """
+        skipped: list[PatchRecord] = []
+        with self._lock:
+            for rec in reversed(self.records):
+                current = vars(rec.owner).get(rec.attr, _MISSING)
+                if current is not rec.wrapper:
+                    skipped.append(rec)
+                    continue
+                if rec.original is _MISSING:
+                    delattr(rec.owner, rec.attr)
+                else:
+                    setattr(rec.owner, rec.attr, rec.original)
+            self.records.clear()
+        return skipped
+
+
+class OriginalCall:
+    """Calls the original and remembers whether it raised, so fail_open can tell whose error."""
+
+    __slots__ = ("fn", "raised")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.raised: BaseException | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except BaseException as exc:
+            self.raised = exc
+            raise
+
+
+def report_internal_error(site: str, exc: BaseException) -> None:
+    """One ``internal_error`` event per (site, exception type)."""
+    first = (str(exc).splitlines() or [""])[0][:300]
+    events.emit(
+        "internal_error",
+        site=site,
+        reason_code=type(exc).__name__,
+        reason=f"attnguard failed internally and ran the original call unguarded: {first}",
+    )
+
+
+def fail_open(
+    site: str,
+    original: Callable[..., T],
+    guard: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """Run ``guard(call, *args, **kwargs)`` where ``call`` invokes ``original``.
+
+    The original's own exceptions propagate as they are (the guard may catch and recover from
+    them first). Any other exception is attnguard's fault: report it once and return
+    ``original(*args, **kwargs)``.
+    """
+    call = OriginalCall(original)
+    try:
+        return guard(call, *args, **kwargs)
+    except Exception as exc:
+        if call.raised is None or exc is not call.raised:
+            try:
+                report_internal_error(site, exc)
+            except Exception:
+                pass
+        if call.raised is not None:
+            # The original failed (and any recovery of ours failed too): the user sees the
+            # original's own error, never one of ours.
+            raise call.raised from None
+        return original(*args, **kwargs)
