@@ -13,6 +13,15 @@ def _in_startup_hook() -> bool:
     return bool(getattr(hook, "in_progress", False))
 
 
+def _is_cli_process() -> bool:
+    """The ``attnguard`` command or ``python -m attnguard``: tools, not programs to guard.
+
+    While ``python -m`` imports the target's package, ``sys.argv[0]`` is still "-m".
+    """
+    hook = sys.modules.get("_attnguard_hook")
+    return bool(getattr(hook, "in_cli", False)) or sys.argv[:1] == ["-m"]
+
+
 _reported = False
 
 
@@ -25,6 +34,8 @@ def activate_from_env() -> None:
     global _reported
     from .runtime import activate
 
+    if _is_cli_process() and not _in_startup_hook():
+        return
     if not _in_startup_hook():
         activate()
         return

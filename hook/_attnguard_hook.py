@@ -11,6 +11,8 @@ import sys
 # Read by attnguard's import-time activation: inside the hook a bad setting is reported on
 # stderr and the program runs unguarded instead of raising.
 in_progress = False
+# Set by the ``attnguard`` command: the CLI process itself is never guarded.
+in_cli = False
 
 _OFF = ("", "0", "false", "no", "off")
 
@@ -30,3 +32,12 @@ def start() -> None:
             pass
     finally:
         in_progress = False
+
+
+def cli() -> None:
+    """Entry point of the ``attnguard`` command (kept here so importing it activates nothing)."""
+    global in_cli
+    in_cli = True
+    from attnguard.cli import main
+
+    sys.exit(main())

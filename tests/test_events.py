@@ -1,0 +1,164 @@
+"""Event schema, sinks, de-duplication, rank fields and the exit summary."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import structlog
+from conftest import PY, subprocess_env
+
+import attnguard
+from attnguard import events
+
+FIXED = [
+    "schema",
+    "event",
+    "level",
+    "ts",
+    "pid",
+    "host",
+    "rank",
+    "local_rank",
+    "world_size",
+    "mode",
+    "site",
+    "reason_code",
+    "reason",
+    "count",
+]
+
+
+def test_every_event_carries_the_fixed_fields(guard, captured) -> None:
+    events.emit("backend_fallback", site="s", reason_code="r", reason="why", requested="x")
+    ev = captured[-1]
+    assert list(ev)[: len(FIXED)] == FIXED
+    assert ev["schema"] == events.SCHEMA and ev["event"] == "backend_fallback"
+    assert ev["level"] == "warning" and ev["mode"] == "fix" and ev["count"] == 1
+    assert ev["ts"].endswith("Z") or ev["ts"].endswith("+00:00")
+    assert ev["requested"] == "x"
+
+
+def test_unknown_event_name_is_refused(guard) -> None:
+    with pytest.raises(ValueError, match="unknown event 'fixed_it'; valid events: activated"):
+        events.emit("fixed_it")
+
+
+def test_activated_lists_versions_and_settings(captured) -> None:
+    attnguard.activate(log="none", mode="warn")
+    (ev,) = [e for e in captured if e["event"] == "activated"]
+    assert set(ev["versions"]) >= {"python", "torch", "transformers", "flash-attn", "xformers"}
+    assert ev["versions"]["torch"] is not None
+    assert ev["settings"]["mode"] == "warn" and ev["mode"] == "warn"
+
+
+def test_rank_fields_come_from_the_launcher_environment(guard, captured, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    events.emit("observed", site="s", reason_code="r", reason="x")
+    assert {k: captured[-1][k] for k in ("rank", "local_rank", "world_size")} == {
+        "rank": 5,
+        "local_rank": 1,
+        "world_size": 8,
+    }
+
+
+def test_dedupe_counts_are_exact_under_8_threads(guard, captured) -> None:
+    start = threading.Barrier(8)
+
+    def hit() -> None:
+        start.wait()
+        for _ in range(1000):
+            events.emit("qkv_unified", site="layer", reason_code="mixed_dtype", reason="x")
+
+    threads = [threading.Thread(target=hit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    emitted = [e for e in captured if e["event"] == "qkv_unified"]
+    assert len(emitted) == 1 and emitted[0]["count"] == 1
+    assert events.counts()[("qkv_unified", "layer", "mixed_dtype")] == 8000
+    assert events.summary_fields()["events"] == {"qkv_unified": 8000}
+
+
+def test_stdlib_logger_gets_each_field_as_an_attribute(guard) -> None:
+    got: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record)
+
+    handler = Keep()
+    logging.getLogger("attnguard").addHandler(handler)
+    try:
+        events.emit("model_cast", site="s", reason_code="fp32_flash", reason="cast", to="bf16")
+    finally:
+        logging.getLogger("attnguard").removeHandler(handler)
+    (rec,) = got
+    assert rec.levelno == logging.WARNING
+    assert rec.event == "model_cast" and rec.reason_code == "fp32_flash" and rec.to == "bf16"
+    assert rec.getMessage() == "model_cast: cast"
+
+
+def test_attnguard_leaves_global_logging_alone() -> None:
+    before = structlog.get_config()
+    root_handlers = list(logging.getLogger().handlers)
+    attnguard.activate(log="none")
+    events.emit("observed", site="s", reason_code="r", reason="x")
+    assert structlog.get_config() == before
+    assert logging.getLogger().handlers == root_handlers
+
+
+def test_json_file_sink_per_rank_parses_line_by_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    attnguard.activate(log=str(tmp_path / "ev-{rank}.jsonl"))
+    events.emit("backend_fallback", site="a", reason_code="r", reason="because")
+    events.emit("backend_fallback", site="a", reason_code="r", reason="because")
+    events.emit("tensors_aligned", site="b", reason_code="r2", reason="moved")
+    attnguard.deactivate()
+    events._state.stream.close()
+    lines = (tmp_path / "ev-3.jsonl").read_text().splitlines()
+    parsed = [json.loads(line) for line in lines]
+    assert [p["event"] for p in parsed] == ["activated", "backend_fallback", "tensors_aligned"]
+    assert all(p["rank"] == 3 for p in parsed)
+
+
+def test_console_format_puts_the_reason_first() -> None:
+    line = events.render_console(
+        {
+            "event": "backend_fallback",
+            "level": "warning",
+            "reason": "flash-attn missing",
+            "site": "transformers.load",
+            "count": 1,
+            "selected": "sdpa",
+        }
+    )
+    assert line.startswith("attnguard WARNING: flash-attn missing [backend_fallback")
+    assert "selected=sdpa" in line and "\n" not in line
+
+
+def test_summary_at_exit_in_a_fresh_process(tmp_path: Path) -> None:
+    log = tmp_path / "ev.jsonl"
+    code = (
+        "import attnguard\n"
+        "from attnguard import events\n"
+        "for _ in range(3): events.emit('qkv_unified', site='s', reason_code='mixed_dtype', reason='x')\n"
+        "events.emit('backend_fallback', site='t', reason_code='flash_attn_missing', reason='y')\n"
+    )
+    subprocess.run([PY, "-c", code], env=subprocess_env(ATTNGUARD_LOG=str(log)), check=True)
+    parsed = [json.loads(x) for x in log.read_text().splitlines()]
+    summary = parsed[-1]
+    assert summary["event"] == "summary"
+    assert summary["events"] == {"qkv_unified": 3, "backend_fallback": 1}
+    assert summary["reasons"] == {
+        "qkv_unified:mixed_dtype": 3,
+        "backend_fallback:flash_attn_missing": 1,
+    }
+    assert summary["interventions"] == 4
