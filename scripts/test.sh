@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The test command (README "Run the tests"): installs attnguard with its test extras into the
+# active Python environment, CPU torch pinned so no multi-GB CUDA build is pulled, plus the
+# test-only installs that recreate real failure cases, then runs pytest with any arguments given.
+#
+#   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+pin=()
+[ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
+"$PY" -m pip install -q "torch==2.13.0" "${pin[@]}" -e ".[test]"
+# xformers from PyPI, without its torch pin: its CUDA ops never load on a CPU machine — the real
+# "xformers installed but unusable" case the guard must carry.
+"$PY" -m pip install -q --no-deps "xformers==0.0.35" "numpy"
+# A real broken flash-attn install: the PyPI sdist built without its CUDA extension, kept out of
+# the environment (tests put it on sys.path where they need it: ATTNGUARD_TEST_BROKEN_FLASH).
+broken=".test-deps/flash-attn-nocuda"
+if [ ! -d "$broken/flash_attn" ]; then
+  "$PY" -m pip install -q "ninja" "einops" "psutil" "setuptools" "wheel"
+  FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE MAX_JOBS=2 \
+    "$PY" -m pip install -q --no-build-isolation --no-deps --target "$broken" "flash-attn==2.8.3"
+fi
+export ATTNGUARD_TEST_BROKEN_FLASH="$PWD/$broken"
+set +e
+"$PY" -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: treating as a failure" >&2
+  exit 1
+fi
+exit "$rc"
