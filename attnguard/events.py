@@ -171,12 +171,18 @@ def render_json(ed: dict[str, Any]) -> str:
 _CONSOLE_SKIP = frozenset({"schema", "event", "level", "ts", "pid", "host", "reason", "mode"})
 
 
+def _one_line(value: object) -> str:
+    return " ".join(str(value).split())  # kernel errors span lines; a console event must not
+
+
 def render_console(ed: dict[str, Any]) -> str:
     """Readable at a glance: the reason first, then the event name and the telling fields."""
     fields = " ".join(
-        f"{k}={v}" for k, v in ed.items() if k not in _CONSOLE_SKIP and v not in (None, {}, [])
+        f"{k}={_one_line(v)}"
+        for k, v in ed.items()
+        if k not in _CONSOLE_SKIP and v not in (None, {}, [])
     )
-    reason = ed.get("reason") or ed["event"]
+    reason = _one_line(ed.get("reason") or ed["event"])
     return (
         f"attnguard {ed['level'].upper()}: {reason} [{ed['event']}{' ' + fields if fields else ''}]"
     )
@@ -240,7 +246,7 @@ def configure_sinks(settings: Settings) -> None:
         with contextlib.suppress(ValueError):
             _state.sinks.remove(_state.stream)
         _state.stream = None
-    if settings.log != "none":
+    if settings.enabled and settings.log != "none":
         _state.stream = StreamSink(settings.log, settings.log_format)
         _state.sinks.append(_state.stream)
 

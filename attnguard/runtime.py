@@ -33,10 +33,16 @@ def is_active() -> bool:
 
 
 def integrations() -> dict[str, Any]:
-    """integration name -> its patch module (imported lazily; none imports its library)."""
+    """integration name -> its patch module (importing these imports torch)."""
     from .patches import INTEGRATIONS
 
-    return {name: importlib.import_module(mod) for name, mod in INTEGRATIONS.items()}
+    return {name: importlib.import_module(mod) for name, (mod, _) in INTEGRATIONS.items()}
+
+
+def _patch_module(name: str) -> Any:
+    from .patches import INTEGRATIONS
+
+    return importlib.import_module(INTEGRATIONS[name][0])
 
 
 def _on_import(name: str, module: Any) -> None:
@@ -45,7 +51,7 @@ def _on_import(name: str, module: Any) -> None:
         if not _active or not _settings.allows(name) or name in _patched:
             return
         try:
-            integrations()[name].patch(module)
+            _patch_module(name).patch(module)
             _patched.add(name)
         except Exception as exc:
             from .patching import report_internal_error
@@ -56,8 +62,9 @@ def _on_import(name: str, module: Any) -> None:
 def _register_hooks() -> None:
     import wrapt
 
-    for name, patch_mod in integrations().items():
-        target = patch_mod.TARGET_MODULE
+    from .patches import INTEGRATIONS
+
+    for name, (_, target) in INTEGRATIONS.items():
         if name in _hooks_registered:
             if target in sys.modules:  # hooks already fired once; re-patch what is there now
                 _on_import(name, sys.modules[target])
@@ -118,7 +125,7 @@ def deactivate() -> None:
     with _lock:
         for name in list(_patched):
             try:
-                integrations()[name].unpatch()
+                _patch_module(name).unpatch()
             except Exception as exc:
                 from .patching import report_internal_error
 
@@ -126,6 +133,8 @@ def deactivate() -> None:
         _patched.clear()
         _active = False
         _settings = Settings(enabled=False, mode=_settings.mode)
+        # Flush and close a log file now; nothing is emitted while inactive (no exit summary).
+        events.configure_sinks(_settings)
 
 
 def configure(**changes: Any) -> Settings:

@@ -29,8 +29,17 @@ def make_venv(root: Path, name: str, install: bool) -> Path:
     py = venv / "bin" / "python"
     if install:
         subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-             str(REPO)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--python",
+                str(py),
+                "install",
+                "-q",
+                "--no-deps",
+                str(REPO),
+            ],
             check=True,
         )
     return py
@@ -60,7 +69,9 @@ def main() -> None:
         pth = (REPO / "hook" / "attnguard.pth").read_text()
         per_line = min(timeit.repeat(lambda: exec(pth, {}), number=1000, repeat=5)) / 1000
     ma, mb = statistics.median(a) * 1e3, statistics.median(b) * 1e3
-    print(f"device: {platform.processor() or platform.machine()} CPU, Python {platform.python_version()}")
+    print(
+        f"device: {platform.processor() or platform.machine()} CPU, Python {platform.python_version()}"
+    )
     print(f"{'interpreter start (python -c pass)':40s} {'median ms':>10s}")
     print(f"{'without attnguard':40s} {ma:10.2f}")
     print(f"{'with attnguard installed, ATTNGUARD unset':40s} {mb:10.2f}")

@@ -50,7 +50,7 @@ def guard(captured: list[dict[str, Any]]) -> Iterator[Any]:
     """attnguard active in fix mode with no stream output; returns a re-activation function."""
 
     def _activate(**overrides: Any) -> attnguard.Settings:
-        return attnguard.activate(log="none", **overrides)
+        return attnguard.activate(**{"log": "none", **overrides})
 
     _activate()
     yield _activate
@@ -70,3 +70,117 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 PY = sys.executable
+
+
+# --- tiny real transformers models (load-time guard tests) ---------------------------------------
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen2_5_vl")
+# Qwen2.5-VL special tokens of the tiny recipe (/tmp/notes/tf_internals.md §5)
+VL_IMAGE, VL_START, VL_END, VL_VIDEO = 122, 120, 121, 123
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """A tiny random config of a real architecture (flat text kwargs work on 4.49, 4.57, 5.x)."""
+    import transformers
+
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**text, **overrides)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**text, **overrides)
+    if family == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLConfig(
+            **text,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            image_token_id=VL_IMAGE,
+            video_token_id=VL_VIDEO,
+            vision_start_token_id=VL_START,
+            vision_end_token_id=VL_END,
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                in_channels=3,
+                window_size=16,
+                fullatt_block_indexes=[1],
+                tokens_per_second=2,
+            ),
+            **overrides,
+        )
+    raise ValueError(family)
+
+
+def tiny_model_class(family: str) -> Any:
+    import transformers
+
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+    }[family]
+
+
+def tiny_inputs(family: str) -> dict[str, Any]:
+    """A batch of two with left padding (and an image for the VLM)."""
+    import torch
+
+    if family != "qwen2_5_vl":
+        ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+        mask = (ids != 0).long()
+        return {"input_ids": ids, "attention_mask": mask}
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.tensor([[1, 4, 4]])
+    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=gen)
+    row = [5, 6, VL_START] + [VL_IMAGE] * 4 + [VL_END, 7, 8]
+    ids = torch.tensor([[0, 0, *row[:-2]], row])
+    return {
+        "input_ids": ids,
+        "attention_mask": (ids != 0).long(),
+        "pixel_values": torch.cat([pixels, pixels]),
+        "image_grid_thw": torch.cat([grid, grid]),
+    }
+
+
+def logits_of(model: Any, family: str) -> Any:
+    import torch
+
+    with torch.no_grad():
+        return model.eval()(**tiny_inputs(family)).logits
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """tiny_checkpoint(family, dtype="float32") -> a saved random checkpoint (cached per session)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, dtype: str = "float32") -> Path:
+        key = (family, dtype)
+        if key not in cache:
+            import torch
+
+            # default attention: nothing for attnguard to decide, even when it is active
+            torch.manual_seed(0)
+            model = tiny_model_class(family)(tiny_config(family))
+            model.to(getattr(torch, dtype))
+            path = tmp_path_factory.mktemp(f"{family}-{dtype}")
+            model.save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make

@@ -121,8 +121,7 @@ def test_json_file_sink_per_rank_parses_line_by_line(tmp_path: Path, monkeypatch
     events.emit("backend_fallback", site="a", reason_code="r", reason="because")
     events.emit("backend_fallback", site="a", reason_code="r", reason="because")
     events.emit("tensors_aligned", site="b", reason_code="r2", reason="moved")
-    attnguard.deactivate()
-    events._state.stream.close()
+    attnguard.deactivate()  # closes the file
     lines = (tmp_path / "ev-3.jsonl").read_text().splitlines()
     parsed = [json.loads(line) for line in lines]
     assert [p["event"] for p in parsed] == ["activated", "backend_fallback", "tensors_aligned"]

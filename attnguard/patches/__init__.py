@@ -1,11 +1,12 @@
 """One module per patched library, each a ``patch(module)`` / ``unpatch()`` pair with a ledger.
 
-``TARGET_MODULE`` in each names the import that triggers its patch (a post-import hook).
+Each patch module is imported only when its library is imported (a post-import hook on the
+target module below), so activating attnguard imports neither torch nor any patched library.
 """
 
-# integration name (as in ATTNGUARD_DISABLE) -> patch module
+# integration name (as in ATTNGUARD_DISABLE) -> (patch module, import that triggers its patch)
 INTEGRATIONS = {
-    "transformers": "attnguard.patches.transformers",
-    "flash_attn": "attnguard.patches.flash_attn",
-    "xformers": "attnguard.patches.xformers",
+    "transformers": ("attnguard.patches.transformers", "transformers.modeling_utils"),
+    "flash_attn": ("attnguard.patches.flash_attn", "flash_attn"),
+    "xformers": ("attnguard.patches.xformers", "xformers.ops"),
 }
