@@ -13,6 +13,22 @@ def _in_startup_hook() -> bool:
     return bool(getattr(hook, "in_progress", False))
 
 
+# Launchers that only start worker processes: the workers inherit ATTNGUARD=1 and are guarded;
+# the launcher itself has no rank and would add a stray "rank 0" activation and summary.
+_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "deepspeed")
+
+
+def _is_launcher_process() -> bool:
+    argv = list(getattr(sys, "orig_argv", []))
+    words = [a.rsplit("/", 1)[-1] for a in argv[:3]]
+    if any(w in _LAUNCHERS for w in words):
+        return True
+    return words[1:3] == ["accelerate", "launch"] or argv[1:3] == [
+        "-m",
+        "accelerate.commands.launch",
+    ]
+
+
 def _is_cli_process() -> bool:
     """The ``attnguard`` command or ``python -m attnguard``: tools, not programs to guard.
 
@@ -35,6 +51,8 @@ def activate_from_env() -> None:
     from .runtime import activate
 
     if _is_cli_process() and not _in_startup_hook():
+        return
+    if _in_startup_hook() and _is_launcher_process():
         return
     if not _in_startup_hook():
         activate()

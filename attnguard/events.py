@@ -313,7 +313,10 @@ def emit_summary() -> None:
 def _at_exit() -> None:
     if _state.settings.enabled:
         with contextlib.suppress(Exception):
-            emit_summary()
+            # one job-wide summary from rank 0 when torch.distributed is up, else this process's
+            from .summary import emit_exit_summary
+
+            emit_exit_summary()
     if _state.stream is not None:
         _state.stream.close()
 

@@ -238,3 +238,21 @@ def test_attnguard_run_refuses_a_bad_setting_before_starting_the_child(venv: Pat
     )
     assert res.returncode == 2 and "child ran" not in res.stdout
     assert "invalid ATTNGUARD_FALLBACK='flash'" in res.stderr
+
+
+def test_hook_leaves_a_torchrun_launcher_unguarded_but_not_its_workers(
+    venv: Path, tmp_path: Path
+) -> None:
+    """The launcher has no rank; its workers (plain python processes) inherit ATTNGUARD=1."""
+    body = "import attnguard; print(attnguard.is_active())\n"
+    launcher = tmp_path / "torchrun"
+    worker = tmp_path / "train.py"
+    launcher.write_text(body)
+    worker.write_text(body)
+    py = str(venv / "bin" / "python")
+    env = _clean_env(ATTNGUARD="1", ATTNGUARD_LOG="none")
+    outs = [
+        subprocess.run([py, str(s)], env=env, capture_output=True, text=True).stdout.strip()
+        for s in (launcher, worker)
+    ]
+    assert outs == ["False", "True"]
