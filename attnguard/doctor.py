@@ -1,0 +1,121 @@
+"""``attnguard doctor``: this machine's facts, the decision table, and the plan the guard would
+apply to ``flash_attention_2`` + float32 + no device_map — computed by the same
+:func:`attnguard.plan.plan_load` the loading guard calls, with the settings in force.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from . import facts as facts_mod
+from .config import Settings, load
+from .plan import TABLE, Plan, flash_fp32_request, plan_load
+
+
+def _settings() -> Settings:
+    from . import runtime
+
+    current = runtime.settings()
+    # doctor plans with the ATTNGUARD_* settings a guarded run would use, even when off here
+    return current if current.enabled else load()
+
+
+def collect() -> dict[str, Any]:
+    """Facts, table and the sample plan as one JSON-friendly dict."""
+    from .runtime import versions
+
+    facts = facts_mod.current()
+    settings = _settings()
+    plan = plan_load(flash_fp32_request(), facts, settings)
+    return {
+        "versions": versions(),
+        "settings": settings.as_dict(),
+        "facts": facts.as_dict(),
+        "decision_table": [dict(r.__dict__) for r in TABLE],
+        "sample_request": "flash_attention_2 + float32 + no device_map",
+        "sample_plan": plan.as_dict(),
+    }
+
+
+def _rows(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def _plan_lines(plan: Plan) -> list[str]:
+    if not plan.actions:
+        return ["  nothing to change"]
+    out = []
+    for a in plan.actions:
+        verb = "would apply" if a.applies else "observe"
+        out.append(f"  [{a.rule}] {a.event} ({a.reason_code}) {verb}: {a.reason}")
+    load_with = {
+        "attn_implementation": plan.attn_implementation,
+        "dtype": plan.dtype or plan.request.effective_dtype,
+        "device": plan.device or "unchanged",
+    }
+    out.append(f"  -> load with {load_with}")
+    return out
+
+
+def render(as_json: bool = False) -> str:
+    """The doctor report: text tables, or one JSON object with ``as_json``."""
+    data = collect()
+    if as_json:
+        return json.dumps(data, indent=2, default=str)
+    facts = facts_mod.current()
+    settings = _settings()
+    lines = ["attnguard doctor", ""]
+    lines.append(
+        "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v is not None)
+    )
+    launch = facts.launch
+    lines.append(
+        f"launch: rank {launch.rank}, local_rank {launch.local_rank}, world_size {launch.world_size}"
+    )
+    ctx = facts.init.deliberate
+    lines.append(f"deliberate-init context: {ctx[1] if ctx else 'none'}")
+    lines.append(
+        f"settings: mode={settings.mode} fallback={','.join(settings.fallback)} "
+        f"dtype={settings.dtype} fp32_policy={settings.fp32_policy} "
+        f"disabled={','.join(sorted(settings.disable)) or '-'}"
+    )
+    lines += ["", "GPUs"]
+    if facts.gpus:
+        lines += _rows(
+            ["index", "name", "capability", "native bf16", "memory"],
+            [
+                [
+                    str(g.index),
+                    g.name,
+                    f"{g.capability[0]}.{g.capability[1]}",
+                    "yes" if g.native_bf16 else "no",
+                    f"{g.total_memory / 2**30:.0f} GiB",
+                ]
+                for g in facts.gpus
+            ],
+        )
+    else:
+        lines.append("  no CUDA device visible")
+    lines += ["", "Attention backends"]
+    lines += _rows(
+        ["backend", "usable", "reason"],
+        [[b.name, "yes" if b.usable else "no", b.reason] for b in facts.backends.values()],
+    )
+    lines += ["", "Decision table"]
+    lines += _rows(
+        ["rule", "family", "event", "reason_code", "disable with"],
+        [[r.id, r.family, r.event, r.reason_code, r.remedy or "-"] for r in TABLE],
+    )
+    for r in TABLE:
+        lines.append(f"  {r.id}: when {r.when} -> {r.then}")
+    lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
+    lines += _plan_lines(plan_load(flash_fp32_request(), facts, settings))
+    return "\n".join(lines)

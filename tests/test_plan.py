@@ -1,0 +1,667 @@
+"""The pure load-time planner as a table: injected facts for H100 (9.0), A100 (8.0), V100 (7.0),
+T4 (7.5) and a machine without GPU; every row of plan.TABLE; deliberate-init contexts; explicit
+device_map; quantization; per-sub-config requests; disabled remedies; fp32_policy=fallback.
+Also ``attnguard doctor``, which must print the same planner's answer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from attnguard import doctor, events
+from attnguard import facts as F
+from attnguard.config import Settings
+from attnguard.plan import TABLE, LoadRequest, Plan, flash_fp32_request, plan_backend, plan_load
+
+FLASH = "flash_attention_2"
+GPUS = {"H100": (9, 0), "A100": (8, 0), "V100": (7, 0), "T4": (7, 5)}
+
+
+def machine(
+    gpu: str | None,
+    *,
+    n: int = 1,
+    flash: str | F.PackageState | None = "2.8.3",
+    init: F.InitContext | None = None,
+    launch: F.Launch | None = None,
+    installed_extra: dict[str, Any] | None = None,
+    **kw: Any,
+) -> F.Facts:
+    """Injected facts of one machine, judged by the same facts.assess_backend as real ones."""
+    caps = (GPUS[gpu],) * n if gpu else ()
+    installed = {} if flash is None else {FLASH: flash}
+    installed.update(installed_extra or {})
+    return F.synthetic(
+        caps, installed=installed, gpu_name=gpu or "", init=init, launch=launch, **kw
+    )
+
+
+def req(**kw: Any) -> LoadRequest:
+    base = {"model": "Qwen2ForCausalLM", "attn_implementation": FLASH, "dtype": None}
+    return LoadRequest(**{**base, **kw})
+
+
+def summary(plan: Plan) -> list[tuple[str, str, str]]:
+    return [(a.rule, a.event, a.reason_code) for a in plan.actions]
+
+
+S = Settings()
+
+# (id, facts, request, settings, expected actions as (rule, event, reason_code), load with)
+# "load with" = (attn_implementation, dtype to inject, device to place on)
+CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]], tuple]] = [
+    # --- family A / E on GPUs that run flash -----------------------------------------------------
+    (
+        "H100 fp32 no device_map",
+        machine("H100"),
+        req(),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, "bfloat16", "cuda:0"),
+    ),
+    (
+        "A100 fp32 no device_map",
+        machine("A100"),
+        req(),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, "bfloat16", "cuda:0"),
+    ),
+    (
+        "H100 bf16 no device_map (family A only)",
+        machine("H100"),
+        req(dtype="bfloat16"),
+        S,
+        [("place-gpu", "model_placed", "flash_needs_gpu")],
+        (FLASH, None, "cuda:0"),
+    ),
+    (
+        "H100 5.x auto dtype, fp32 checkpoint",
+        machine("H100"),
+        req(default_dtype="auto", checkpoint_dtype="float32"),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, "bfloat16", "cuda:0"),
+    ),
+    (
+        "H100 5.x auto dtype, bf16 checkpoint",
+        machine("H100"),
+        req(default_dtype="auto", checkpoint_dtype="bfloat16"),
+        S,
+        [("place-gpu", "model_placed", "flash_needs_gpu")],
+        (FLASH, None, "cuda:0"),
+    ),
+    (
+        "H100 auto dtype, checkpoint dtype unknown: no cast",
+        machine("H100"),
+        req(dtype="auto"),
+        S,
+        [("place-gpu", "model_placed", "flash_needs_gpu")],
+        (FLASH, None, "cuda:0"),
+    ),
+    (
+        "H100 fp32, ATTNGUARD_DTYPE=fp16",
+        machine("H100"),
+        req(dtype="float32"),
+        Settings(dtype="fp16"),
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, "float16", "cuda:0"),
+    ),
+    (
+        "H100 fp32, ATTNGUARD_FP32_POLICY=fallback",
+        machine("H100"),
+        req(),
+        Settings(fp32_policy="fallback"),
+        [("fp32-fallback", "backend_fallback", "flash_needs_half")],
+        ("sdpa", None, None),
+    ),
+    (
+        "H100 flash_attention_3 usable, fp32",
+        machine("H100", flash=None, installed_extra={"flash_attention_3": "3.0.0"}),
+        req(attn_implementation="flash_attention_3"),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        ("flash_attention_3", "bfloat16", "cuda:0"),
+    ),
+    # --- family B: below sm80 --------------------------------------------------------------------
+    (
+        "V100 fp32: flash cannot run, sdpa keeps fp32",
+        machine("V100"),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "capability_too_low")],
+        ("sdpa", None, None),
+    ),
+    (
+        "V100 bf16: sdpa and fp16",
+        machine("V100"),
+        req(dtype="bfloat16"),
+        S,
+        [
+            ("flash-unusable", "backend_fallback", "capability_too_low"),
+            ("bf16-no-native", "model_cast", "no_native_bf16"),
+        ],
+        ("sdpa", "float16", None),
+    ),
+    (
+        "T4 bf16: sdpa and fp16",
+        machine("T4"),
+        req(dtype="bfloat16"),
+        S,
+        [
+            ("flash-unusable", "backend_fallback", "capability_too_low"),
+            ("bf16-no-native", "model_cast", "no_native_bf16"),
+        ],
+        ("sdpa", "float16", None),
+    ),
+    (
+        "T4 bf16, ATTNGUARD_DTYPE=bf16 insists",
+        machine("T4"),
+        req(dtype="bfloat16"),
+        Settings(dtype="bf16"),
+        [("flash-unusable", "backend_fallback", "capability_too_low")],
+        ("sdpa", None, None),
+    ),
+    (
+        "T4 fp16: nothing but the backend",
+        machine("T4"),
+        req(dtype="float16"),
+        S,
+        [("flash-unusable", "backend_fallback", "capability_too_low")],
+        ("sdpa", None, None),
+    ),
+    # --- flash missing / broken / old / failing ---------------------------------------------------
+    (
+        "no GPU, flash-attn missing",
+        machine(None, flash=None),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "package_missing")],
+        ("sdpa", None, None),
+    ),
+    (
+        "no GPU, flash-attn installed",
+        machine(None),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "no_cuda")],
+        ("sdpa", None, None),
+    ),
+    (
+        "H100, flash-attn extension broken",
+        machine(
+            "H100",
+            flash=F.PackageState(
+                True, "2.8.3", import_error="ImportError: undefined symbol: _ZN3c10"
+            ),
+        ),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "extension_broken")],
+        ("sdpa", None, None),
+    ),
+    (
+        "H100, flash-attn too old",
+        machine("H100", flash="2.0.9"),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "version_too_old")],
+        ("sdpa", None, None),
+    ),
+    (
+        "H100, tiny flash call fails",
+        machine("H100", flash=F.PackageState(True, "2.8.3", probe_error="RuntimeError: no kernel")),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "probe_failed")],
+        ("sdpa", None, None),
+    ),
+    (
+        "A100, flash_attention_4 below its sm90 floor",
+        machine("A100", flash=None, installed_extra={"flash_attention_4": "4.0.0b1"}),
+        req(attn_implementation="flash_attention_4", dtype="bfloat16"),
+        S,
+        [("flash-unusable", "backend_fallback", "capability_too_low")],
+        ("sdpa", None, None),
+    ),
+    (
+        "paged| prefix is the same kernel",
+        machine(None, flash=None),
+        req(attn_implementation="paged|flash_attention_2"),
+        S,
+        [("flash-unusable", "backend_fallback", "package_missing")],
+        ("sdpa", None, None),
+    ),
+    (
+        "model class without flash support",
+        machine("H100"),
+        req(dtype="bfloat16", device_map={"": 0}, supports_flash=False),
+        S,
+        [("flash-unsupported", "backend_fallback", "model_unsupported")],
+        ("sdpa", None, None),
+    ),
+    (
+        "no usable fallback backend",
+        machine(None, installed_extra={"flex_attention": F.PackageState(True, import_error="x")}),
+        req(),
+        Settings(fallback=("flex_attention",)),
+        [("no-fallback", "observed", "no_fallback_usable")],
+        (FLASH, None, None),
+    ),
+    (
+        "fallback list skips an unusable entry",
+        machine(None, installed_extra={"flex_attention": F.PackageState(True, import_error="x")}),
+        req(),
+        Settings(fallback=("flex_attention", "eager")),
+        [("flash-unusable", "backend_fallback", "no_cuda")],
+        ("eager", None, None),
+    ),
+    # --- deliberate init, quantized, explicit placement: observe only -----------------------------
+    (
+        "H100 fp32 under ZeRO-3",
+        machine("H100", init=F.InitContext(zero3=True)),
+        req(),
+        S,
+        [
+            ("deliberate-init", "observed", "zero3_init"),
+            ("deliberate-init", "observed", "zero3_init"),
+        ],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 fp32 under FSDP",
+        machine("H100", init=F.InitContext(fsdp=True)),
+        req(),
+        S,
+        [
+            ("deliberate-init", "observed", "fsdp_init"),
+            ("deliberate-init", "observed", "fsdp_init"),
+        ],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 bf16 under meta init",
+        machine("H100", init=F.InitContext(meta=True)),
+        req(dtype="bfloat16"),
+        S,
+        [("deliberate-init", "observed", "meta_init")],
+        (FLASH, None, None),
+    ),
+    (
+        "no GPU under ZeRO-3: the backend still falls back (no move, no cast)",
+        machine(None, flash=None, init=F.InitContext(zero3=True)),
+        req(),
+        S,
+        [("flash-unusable", "backend_fallback", "package_missing")],
+        ("sdpa", None, None),
+    ),
+    (
+        "H100 fp32 quantized",
+        machine("H100"),
+        req(quantized=True),
+        S,
+        [("quantized", "observed", "quantized"), ("quantized", "observed", "quantized")],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 fp32 explicit device_map=auto (one process)",
+        machine("H100"),
+        req(device_map="auto"),
+        S,
+        [("explicit-placement", "observed", "explicit_placement")],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 bf16 explicit device_map: nothing wrong",
+        machine("H100"),
+        req(dtype="bfloat16", device_map={"": "cuda:0"}),
+        S,
+        [],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 fp32 tp_plan",
+        machine("H100"),
+        req(placement="tp_plan"),
+        S,
+        [
+            ("explicit-placement", "observed", "explicit_placement"),
+        ],
+        (FLASH, None, None),
+    ),
+    (
+        "H100 default device already cuda: nothing to place",
+        machine("H100", init=F.InitContext(default_device="cuda:0")),
+        req(dtype="bfloat16"),
+        S,
+        [],
+        (FLASH, None, None),
+    ),
+    (
+        "accelerate missing: no device_map placement",
+        machine("H100", accelerate=False),
+        req(dtype="bfloat16"),
+        S,
+        [("place-impossible", "observed", "accelerate_missing")],
+        (FLASH, None, None),
+    ),
+    (
+        "LOCAL_RANK beyond the visible GPUs",
+        machine("H100", n=2, launch=F.Launch(3, 3, 4)),
+        req(dtype="bfloat16"),
+        S,
+        [("place-impossible", "observed", "no_gpu_for_rank")],
+        (FLASH, None, None),
+    ),
+    (
+        "LOCAL_RANK 1 of 2 GPUs",
+        machine("H100", n=2, launch=F.Launch(1, 1, 2)),
+        req(dtype="bfloat16"),
+        S,
+        [("place-gpu", "model_placed", "flash_needs_gpu")],
+        (FLASH, None, "cuda:1"),
+    ),
+    (
+        "LOCAL_RANK 3 with one visible GPU (CUDA_VISIBLE_DEVICES per rank)",
+        machine("H100", launch=F.Launch(3, 3, 4)),
+        req(dtype="bfloat16"),
+        S,
+        [("place-gpu", "model_placed", "flash_needs_gpu")],
+        (FLASH, None, "cuda:0"),
+    ),
+    # --- built models (guard_model) ----------------------------------------------------------------
+    (
+        "built on CPU in fp32",
+        machine("A100"),
+        req(site="transformers.init", device="cpu", dtype="float32"),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, "bfloat16", "cuda:0"),
+    ),
+    (
+        "built on the GPU in bf16",
+        machine("A100"),
+        req(site="transformers.init", device="cuda:0", dtype="bfloat16"),
+        S,
+        [],
+        (FLASH, None, None),
+    ),
+    (
+        "built on meta",
+        machine("A100"),
+        req(site="transformers.init", device="meta", dtype="float32"),
+        S,
+        [
+            ("deliberate-init", "observed", "meta_init"),
+        ],
+        (FLASH, None, None),
+    ),
+    (
+        "built under accelerate hooks",
+        machine("A100"),
+        req(site="transformers.init", device="cpu", dtype="float32", placement="accelerate hooks"),
+        S,
+        [
+            ("explicit-placement", "observed", "explicit_placement"),
+        ],
+        (FLASH, None, None),
+    ),
+    # --- VLM per-sub-config requests -----------------------------------------------------------------
+    (
+        "dict: only the flash sub-config falls back",
+        machine(None, flash=None),
+        req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
+        S,
+        [("flash-unusable", "backend_fallback", "package_missing")],
+        ({"text_config": "sdpa", "vision_config": "sdpa"}, None, None),
+    ),
+    (
+        "dict: two flash sub-configs, two decisions",
+        machine(None, flash=None),
+        req(attn_implementation={"": FLASH, "vision_config": FLASH, "text_config": "eager"}),
+        S,
+        [
+            ("flash-unusable", "backend_fallback", "package_missing"),
+            ("flash-unusable", "backend_fallback", "package_missing"),
+        ],
+        ({"": "sdpa", "vision_config": "sdpa", "text_config": "eager"}, None, None),
+    ),
+    (
+        "dict on H100: the flash text tower makes the model half",
+        machine("H100"),
+        req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
+        S,
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        ({"text_config": FLASH, "vision_config": "sdpa"}, "bfloat16", "cuda:0"),
+    ),
+    (
+        "dict on H100, fp32_policy=fallback: only the flash entry changes",
+        machine("H100"),
+        req(attn_implementation={"text_config": FLASH, "vision_config": "eager"}),
+        Settings(fp32_policy="fallback"),
+        [("fp32-fallback", "backend_fallback", "flash_needs_half")],
+        ({"text_config": "sdpa", "vision_config": "eager"}, None, None),
+    ),
+    # --- disabled remedies -------------------------------------------------------------------------
+    (
+        "fallback disabled",
+        machine(None, flash=None),
+        req(),
+        Settings(disable=frozenset({"fallback"})),
+        [("remedy-disabled", "observed", "package_missing")],
+        (FLASH, None, None),
+    ),
+    (
+        "cast disabled",
+        machine("H100"),
+        req(),
+        Settings(disable=frozenset({"cast"})),
+        [
+            ("remedy-disabled", "observed", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, None, "cuda:0"),
+    ),
+    (
+        "place disabled",
+        machine("H100"),
+        req(),
+        Settings(disable=frozenset({"place"})),
+        [
+            ("fp32-cast", "model_cast", "flash_needs_half"),
+            ("remedy-disabled", "observed", "flash_needs_gpu"),
+        ],
+        (FLASH, "bfloat16", None),
+    ),
+    (
+        "cast disabled on a T4 with bf16",
+        machine("T4"),
+        req(dtype="bfloat16"),
+        Settings(disable=frozenset({"cast"})),
+        [
+            ("flash-unusable", "backend_fallback", "capability_too_low"),
+            ("remedy-disabled", "observed", "no_native_bf16"),
+        ],
+        ("sdpa", None, None),
+    ),
+    (
+        "fallback disabled with fp32_policy=fallback",
+        machine("H100"),
+        req(),
+        Settings(fp32_policy="fallback", disable=frozenset({"fallback"})),
+        [
+            ("remedy-disabled", "observed", "flash_needs_half"),
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+        ],
+        (FLASH, None, "cuda:0"),
+    ),
+    # --- family C: several processes with a spreading device_map (attnguard.multigpu) ------------
+    (
+        "torchrun x2, device_map=auto: one replica per rank",
+        machine("H100", n=2, launch=F.Launch(1, 1, 2)),
+        req(attn_implementation="sdpa", dtype="bfloat16", device_map="auto"),
+        S,
+        [("device-map-per-rank", "device_map_rewritten", "device_map_per_rank")],
+        ("sdpa", None, None),
+    ),
+    (
+        "torchrun x2, device_map=auto, device_map remedy disabled",
+        machine("H100", n=2, launch=F.Launch(1, 1, 2)),
+        req(attn_implementation="sdpa", dtype="bfloat16", device_map="auto"),
+        Settings(disable=frozenset({"device_map"})),
+        [("remedy-disabled", "observed", "device_map_per_rank")],
+        ("sdpa", None, None),
+    ),
+    # --- nothing wrong ----------------------------------------------------------------------------
+    ("sdpa on H100", machine("H100"), req(attn_implementation="sdpa"), S, [], ("sdpa", None, None)),
+    (
+        "default backend, no GPU",
+        machine(None),
+        req(attn_implementation=None),
+        S,
+        [],
+        (None, None, None),
+    ),
+    (
+        "eager in fp32 on V100",
+        machine("V100"),
+        req(attn_implementation="eager"),
+        S,
+        [],
+        ("eager", None, None),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_decision_table(case: tuple) -> None:
+    _name, facts, request, settings, expected, (attn, dtype, device) = case
+    plan = plan_load(request, facts, settings)
+    assert summary(plan) == expected
+    assert plan.attn_implementation == attn
+    assert plan.dtype == dtype
+    assert plan.device == device
+    for action in plan.actions:
+        assert action.reason  # every action says why
+        assert action.rule in {r.id for r in TABLE}
+        assert action.event == next(r.event for r in TABLE if r.id == action.rule)
+
+
+def test_every_table_row_is_exercised() -> None:
+    seen = {a.rule for _n, f, r, s, _e, _w in CASES for a in plan_load(r, f, s).actions}
+    assert seen == {r.id for r in TABLE}
+
+
+def test_rows_declare_their_remedy_names() -> None:
+    from attnguard.config import REMEDIES
+
+    for row in TABLE:
+        assert (row.event == "observed") == (row.remedy is None)
+        assert row.remedy is None or row.remedy in REMEDIES
+
+
+def test_reasons_name_the_hardware_and_the_cause() -> None:
+    plan = plan_load(req(dtype="bfloat16"), machine("V100"), S)
+    fallback, cast = plan.actions
+    assert "7.0" in fallback.reason and "8.0" in fallback.reason and "sdpa" in fallback.reason
+    assert "V100" in cast.reason and "float16" in cast.reason
+    broken = F.PackageState(True, "2.8.3", import_error="ImportError: undefined symbol: _ZN3c10")
+    (action,) = plan_load(req(), machine("H100", flash=broken), S).actions
+    assert "undefined symbol: _ZN3c10" in action.reason
+
+
+def test_device_map_rewrite_uses_the_multigpu_planner() -> None:
+    f = machine("H100", n=2, launch=F.Launch(1, 1, 2))
+    plan = plan_load(req(attn_implementation="sdpa", device_map="auto"), f, S)
+    assert plan.device_map == {"": "cuda:1"}
+    (action,) = plan.actions
+    assert action.after["device_map"] == {"": "cuda:1"}
+    # one process: "auto" is deliberate model parallelism, left alone
+    single = plan_load(req(attn_implementation="sdpa", device_map="auto"), machine("H100", n=2), S)
+    assert single.actions == () and single.device_map is None
+
+
+def test_backend_only_planning_ignores_dtype_and_placement() -> None:
+    plan = plan_backend(req(), machine("H100"), S)
+    assert plan.actions == () and plan.dtype is None and plan.device is None
+    plan = plan_backend(req(), machine("V100"), S)
+    assert summary(plan) == [("flash-unusable", "backend_fallback", "capability_too_low")]
+
+
+def test_planner_is_pure() -> None:
+    f, r = machine("H100"), req()
+    with events.capture() as got:
+        first = plan_load(r, f, S)
+        second = plan_load(r, f, S)
+    assert first == second and got == []
+    assert json.loads(json.dumps(first.as_dict(), default=str))["dtype"] == "bfloat16"
+
+
+def test_effective_dtype() -> None:
+    assert req(dtype=None).effective_dtype == "float32"
+    assert req(dtype="auto", checkpoint_dtype="bfloat16").effective_dtype == "bfloat16"
+    assert req(dtype=None, default_dtype="auto").effective_dtype is None
+    assert req(dtype="float16").effective_dtype == "float16"
+
+
+# --- attnguard doctor: the same planner, on this machine -----------------------------------------
+
+
+def test_doctor_json_plans_with_the_guard_planner() -> None:
+    data = json.loads(doctor.render(as_json=True))
+    here = F.current()
+    expected = plan_load(flash_fp32_request(), here, doctor._settings()).as_dict()
+    assert data["sample_plan"] == json.loads(json.dumps(expected, default=str))
+    assert [r["id"] for r in data["decision_table"]] == [r.id for r in TABLE]
+    assert set(data["facts"]["backends"]) == set(F.BACKENDS)
+    assert data["facts"]["cuda"] == here.cuda
+
+
+def test_doctor_text_lists_facts_table_and_plan() -> None:
+    text = doctor.render(as_json=False)
+    for row in TABLE:
+        assert row.id in text
+    for name in F.BACKENDS:
+        assert name in text
+    assert "Plan for flash_attention_2 + float32 + no device_map" in text
+    plan = plan_load(flash_fp32_request(), F.current(), doctor._settings())
+    for action in plan.actions:
+        assert action.reason in text
+
+
+def test_doctor_cli(capsys: Any) -> None:
+    from attnguard.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    assert "sample_plan" in json.loads(capsys.readouterr().out)
+
+
+def test_synthetic_facts_replace_only_what_they_say() -> None:
+    f = machine("A100")
+    assert f.native_bf16 and f.backend(FLASH).usable and f.backend("sdpa").usable
+    assert not f.backend("xformers").usable
+    assert replace(f, gpus=()).local_gpu is None
