@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import events
+from .errors import AttnGuardError
 
 T = TypeVar("T")
 
@@ -112,24 +113,31 @@ def fail_open(
     guard: Callable[..., T],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    own_error: BaseException | None = None,
 ) -> T:
     """Run ``guard(call, *args, **kwargs)`` where ``call`` invokes ``original``.
 
     The original's own exceptions propagate as they are (the guard may catch and recover from
-    them first). Any other exception is attnguard's fault: report it once and return
-    ``original(*args, **kwargs)``.
+    them first); so does :class:`AttnGuardError`, strict mode's deliberate refusal. Any other
+    exception is attnguard's fault: report it once and return ``original(*args, **kwargs)``.
+    ``own_error`` is a kernel error the caller already caught before calling: when the recovery
+    fails, that error is re-raised and the original is not run a second time.
     """
     call = OriginalCall(original)
     try:
         return guard(call, *args, **kwargs)
+    except AttnGuardError:
+        raise
     except Exception as exc:
-        if call.raised is None or exc is not call.raised:
-            try:
-                report_internal_error(site, exc)
-            except Exception:
-                pass
-        if call.raised is not None:
-            # The original failed (and any recovery of ours failed too): the user sees the
-            # original's own error, never one of ours.
-            raise call.raised from None
+        kernel_error = call.raised if call.raised is not None else own_error
+        if kernel_error is not None and exc is kernel_error:
+            raise  # the kernel's own error, untouched
+        try:
+            report_internal_error(site, exc)
+        except Exception:
+            pass
+        if kernel_error is not None:
+            # the original failed and our recovery failed too: the user sees the original's
+            # own error, never one of ours
+            raise kernel_error from None
         return original(*args, **kwargs)

@@ -38,7 +38,9 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="flash_attention_2")
         ids = torch.tensor([[1, 5, 9, 12, 7]])
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
-    print(f"Loaded {type(model).__name__} with attention backend {model.config._attn_implementation!r}")
+    print(
+        f"Loaded {type(model).__name__} with attention backend {model.config._attn_implementation!r}"
+    )
     print(f"Generated tokens: {out[0].tolist()}")
     print(f"attnguard active: {attnguard.is_active()} (mode {attnguard.settings().mode})")
 

@@ -1,22 +1,62 @@
-"""Per-call guard for xformers memory_efficient_attention (issue: call-time guard).
+"""Per-call guard for xformers' ``memory_efficient_attention``, patched when ``xformers.ops`` is
+imported, on both ``xformers.ops`` and ``xformers.ops.fmha``.
 
-Not implemented yet: patch() records nothing and changes nothing.
+Mixed q/k/v (and bias) dtypes are unified; when the kernel cannot run (CPU tensors, ops that did
+not load next to this torch: "No operator found for `memory_efficient_attention_forward`") the
+SDPA twin from :mod:`attnguard.fallback` carries the call, bias objects included.
 """
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
+from typing import Any
 
+from .. import callguard
 from ..patching import Ledger
 
 TARGET_MODULE = "xformers.ops"
 ledger = Ledger("xformers")
+SITE = "xformers.memory_efficient_attention"
+
+
+def _wrap(original: Any) -> Any:
+    if getattr(original, "__attnguard_original__", None) is not None:
+        return original
+    from ..fallback import xformers_memory_efficient_attention
+
+    spec = callguard.DirectSpec(
+        site=SITE,
+        kind=callguard.KIND_XFORMERS,
+        original=original,
+        twin=xformers_memory_efficient_attention,
+        tensors=callguard.XFORMERS_TENSOR_PARAMS,
+    )
+    return callguard.wrap_direct(spec)
 
 
 def patch(module: ModuleType) -> None:
-    """Install this integration's wrappers on ``module``."""
+    """Guard ``memory_efficient_attention`` on ``xformers.ops`` and ``xformers.ops.fmha``."""
+    owners = [module]
+    fmha = getattr(module, "fmha", None) or sys.modules.get("xformers.ops.fmha")
+    if isinstance(fmha, ModuleType):
+        owners.append(fmha)
+    wrappers: dict[int, Any] = {}
+    for owner in owners:
+        original = getattr(owner, "memory_efficient_attention", None)
+        if not callable(original):
+            continue
+
+        def make(orig: Any) -> Any:
+            wrapper = wrappers.get(id(orig))
+            if wrapper is None:
+                wrapper = wrappers[id(orig)] = _wrap(orig)
+            return wrapper
+
+        ledger.patch(owner, "memory_efficient_attention", make)
 
 
 def unpatch() -> None:
     """Restore every original this integration replaced."""
     ledger.unpatch_all()
+    callguard.latched.pop(SITE, None)

@@ -1,0 +1,142 @@
+"""CPU microbenchmark: cost the call-time guard adds on the fast path (nothing wrong).
+
+Each row times the same call unguarded and guarded, side by side in one process: rounds of a
+tight loop alternate between the two, and "added" is the median of the per-round differences.
+Rows:
+
+* registry sdpa, real kernel: transformers' sdpa registry function on a tiny CPU call;
+* registry sdpa / flash_attention_2, no-op kernel: the guard wrapped around a function that
+  returns at once, which isolates the guard's own cost (flash needs CUDA tensors for its fast
+  path, so that row uses bf16 tensors on the "meta" device: same checks, no kernel);
+* flash_attn_func / xformers memory_efficient_attention direct entry points, no-op kernel, meta.
+
+Usage: PYTHONPATH=. python bench/bench_call_overhead.py [--repeats 41] [--number 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import attnguard
+from attnguard import callguard
+
+
+def _paired_ns(
+    plain: Callable[[], Any], guarded: Callable[[], Any], number: int, repeats: int
+) -> tuple[float, float, float]:
+    """Median ns per call of each, and the median of the per-round differences.
+
+    The two run alternately, round after round, so drift (clock, other load) hits both alike.
+    """
+    base, with_guard, added = [], [], []
+    for _ in range(repeats):
+        p = timeit.timeit(plain, number=number) / number * 1e9
+        g = timeit.timeit(guarded, number=number) / number * 1e9
+        base.append(p)
+        with_guard.append(g)
+        added.append(g - p)
+    return statistics.median(base), statistics.median(with_guard), statistics.median(added)
+
+
+def _noop_attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
+    return query, None
+
+
+def _noop_direct(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+    return q
+
+
+def _direct_spec(site: str, kind: str, tensors: tuple[str, ...]) -> callguard.DirectSpec:
+    return callguard.DirectSpec(site, kind, _noop_direct, _noop_direct, tensors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=41)
+    ap.add_argument("--number", type=int, default=5000)
+    opts = ap.parse_args()
+    torch.set_num_threads(1)
+    attnguard.activate(log="none")
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Linear(4, 4)
+    module.is_causal = True  # type: ignore[assignment]
+    cpu = dict(dtype=torch.float32)
+    q = torch.randn(1, 2, 8, 16, **cpu)
+    k = torch.randn(1, 2, 8, 16, **cpu)
+    v = torch.randn(1, 2, 8, 16, **cpu)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    mq, mk, mv = (torch.empty(1, 8, 2, 16, **meta) for _ in range(3))
+    mq4, mk4, mv4 = (torch.empty(1, 2, 8, 16, **meta) for _ in range(3))
+    mask2d = torch.ones(1, 8, dtype=torch.long, device="meta")
+
+    rows: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = []
+    guarded_sdpa = callguard.wrap_registry_entry("sdpa", sdpa_attention_forward)
+    rows.append(
+        (
+            "registry sdpa, real kernel (cpu fp32 1x2x8x16)",
+            lambda: sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=None),
+            lambda: guarded_sdpa(module, q, k, v, None, dropout=0.0, scaling=None),
+        )
+    )
+    noop_sdpa = callguard.wrap_registry_entry("sdpa", _noop_attention)
+    rows.append(
+        (
+            "registry sdpa, no-op kernel (cpu)",
+            lambda: _noop_attention(module, q, k, v, None, dropout=0.0, scaling=None),
+            lambda: noop_sdpa(module, q, k, v, None, dropout=0.0, scaling=None),
+        )
+    )
+    noop_flash = callguard.wrap_registry_entry("flash_attention_2", _noop_attention)
+    rows.append(
+        (
+            "registry flash_attention_2, no-op kernel (meta bf16, 2D mask)",
+            lambda: _noop_attention(module, mq4, mk4, mv4, mask2d, dropout=0.0, scaling=None),
+            lambda: noop_flash(module, mq4, mk4, mv4, mask2d, dropout=0.0, scaling=None),
+        )
+    )
+    flash_direct = callguard.wrap_direct(
+        _direct_spec("bench.flash_attn_func", callguard.KIND_FLASH, ("q", "k", "v"))
+    )
+    rows.append(
+        (
+            "flash_attn_func, no-op kernel (meta bf16)",
+            lambda: _noop_direct(mq, mk, mv, causal=True),
+            lambda: flash_direct(mq, mk, mv, causal=True),
+        )
+    )
+    xf_direct = callguard.wrap_direct(
+        _direct_spec("bench.memory_efficient_attention", "xformers", ("query", "key", "value"))
+    )
+    rows.append(
+        (
+            "xformers memory_efficient_attention, no-op kernel (meta bf16)",
+            lambda: _noop_direct(mq, mk, mv, None),
+            lambda: xf_direct(mq, mk, mv, None),
+        )
+    )
+
+    cpu_name = platform.processor() or platform.machine()
+    print(
+        f"device: CPU ({cpu_name}, {os.cpu_count()} cores), torch {torch.__version__}, "
+        f"python {platform.python_version()}, 1 thread; medians over {opts.repeats} alternating "
+        f"rounds of {opts.number} calls each"
+    )
+    print(f"{'call':64s} {'unguarded ns':>13s} {'guarded ns':>11s} {'added ns':>9s}")
+    for label, plain, guarded in rows:
+        plain(), guarded()  # warm up
+        base, with_guard, added = _paired_ns(plain, guarded, opts.number, opts.repeats)
+        print(f"{label:64s} {base:13.0f} {with_guard:11.0f} {added:9.0f}")
+
+
+if __name__ == "__main__":
+    main()

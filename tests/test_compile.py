@@ -1,0 +1,122 @@
+"""torch.compile with the call-time guard active: no graph breaks, fixes inside the graph, no
+events from traced code.
+
+``torch._dynamo.explain`` counts graph breaks; ``fullgraph=True`` turns any break into an error.
+The "eager" compile backend keeps this fast on a 2-core CI machine: Dynamo still captures the
+whole graph (the guard's casts included), only inductor's code generation is skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnguard
+from attnguard import callguard, events
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    modeling_utils,  # noqa: E402
+)
+
+from attnguard.patches import transformers_attention  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def guard():
+    attnguard.activate(log="none")
+    events.reset_counts()
+    callguard.reset_latches()
+    torch._dynamo.reset()
+    yield
+    attnguard.deactivate()
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    path = tmp_path_factory.mktemp("tiny_llama_compile")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _load(path, impl="sdpa"):
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    model.config._attn_implementation = impl  # see test_registry_guard._as_flash
+    return model
+
+
+def _registry():
+    return transformers_attention.registry_mapping(modeling_utils)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
+def test_no_graph_breaks_with_the_guard(guard, tiny_llama_dir, impl):
+    assert _registry()[impl].__attnguard_original__ is not None
+    model = _load(tiny_llama_dir, impl)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), events.capture() as seen:
+        explained = torch._dynamo.explain(model)(input_ids=ids)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    assert seen == []  # nothing is emitted from traced code
+    torch._dynamo.reset()
+    plain = _load(tiny_llama_dir, "sdpa")
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids).logits
+        want = plain(input_ids=ids).logits
+    torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dtype_fix_is_inside_the_graph(guard):
+    sdpa = _registry()["sdpa"]
+    module = torch.nn.Linear(4, 4, dtype=BF16)
+    module.is_causal = True
+
+    def attention(q, k, v):
+        return sdpa(module, q, k, v, None, dropout=0.0, scaling=None)[0]
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 2, 8, 16, generator=g), torch.randn(1, 2, 8, 16, generator=g)
+    v = torch.randn(1, 2, 8, 16, generator=g).to(BF16)
+    explained = torch._dynamo.explain(attention)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    ops = [str(n.target) for gm in explained.graphs for n in gm.graph.nodes]
+    assert any("to" in op for op in ops), "the cast is an op of the captured graph"
+    torch._dynamo.reset()
+    with events.capture() as seen:
+        compiled = torch.compile(attention, fullgraph=True, backend="eager")(q, k, v)
+    assert seen == []
+    with events.capture() as seen:
+        eager = attention(q, k, v)
+    assert compiled.dtype == BF16
+    torch.testing.assert_close(compiled, eager)
+    assert [e["event"] for e in seen] == ["qkv_unified"]  # recorded when run outside a trace
+
+
+def test_var_module_calling_xformers_compiles_whole(guard):
+    pytest.importorskip("xformers.ops")
+    from test_direct_entry import VARSelfAttention
+
+    attn = VARSelfAttention("xformers").eval()
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3)).to(BF16)
+    explained = torch._dynamo.explain(attn)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(attn, fullgraph=True, backend="eager")(x)
+        torch.testing.assert_close(compiled, attn(x))

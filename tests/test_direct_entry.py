@@ -1,0 +1,386 @@
+"""Direct entry points: flash_attn's functions and xformers' memory_efficient_attention.
+
+flash_attn here is the **stand-in** in tests/standins (the real CUDA kernels cannot run on CPU):
+it enforces flash-attn 2.8.3's contract with the real errors (CPU inputs fail in the torch
+dispatcher, fp16/bf16 only, one dtype, head_dim <= 256). xformers is the real PyPI wheel
+(``pip install --no-deps xformers``): its ops do not run on CPU ("No operator found for
+`memory_efficient_attention_forward`"), so the guard's SDPA twin must carry every call.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnguard
+from attnguard import callguard, events
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+STANDINS = Path(__file__).resolve().parent / "standins"
+
+
+def _purge_flash_attn() -> None:
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def flash_standin(monkeypatch):
+    """The flash-attn stand-in imported fresh, then attnguard activated (patching it)."""
+    attnguard.deactivate()
+    monkeypatch.syspath_prepend(str(STANDINS))
+    _purge_flash_attn()
+    import flash_attn
+
+    assert flash_attn.IS_ATTNGUARD_STANDIN
+    attnguard.activate(log="none")
+    events.reset_counts()
+    callguard.reset_latches()
+    yield flash_attn
+    attnguard.deactivate()
+    _purge_flash_attn()  # other tests must not see flash_attn installed
+
+
+@pytest.fixture
+def xformers_ops():
+    ops = pytest.importorskip("xformers.ops", reason="xformers from PyPI (pip install --no-deps)")
+    attnguard.activate(log="none")
+    events.reset_counts()
+    callguard.reset_latches()
+    yield ops
+    attnguard.deactivate()
+    callguard.reset_latches()
+
+
+def reference(q, k, v, keep=None, bias=None, scale=None):
+    """float64 attention in flash/xformers layout (B, S, H, D); k/v may have fewer heads."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if bias is not None:
+        s = s + bias.double()
+    if keep is not None:
+        s = s.masked_fill(~keep, -math.inf)
+    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
+
+
+def _causal(sq, sk, bottom_right=True):
+    i = torch.arange(sq)[:, None] + (sk - sq if bottom_right else 0)
+    return torch.arange(sk)[None, :] <= i
+
+
+def _qkv(b=2, s=6, h=4, hk=2, d=16, seed=0, dtypes=(FP32, FP32, BF16)):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, d, generator=g).to(dtypes[0])
+    k = torch.randn(b, s, hk, d, generator=g).to(dtypes[1])
+    v = torch.randn(b, s, hk, d, generator=g).to(dtypes[2])
+    return q, k, v
+
+
+def _events(seen):
+    return [(e["event"], e["reason_code"]) for e in seen]
+
+
+# --- flash_attn (stand-in) ----------------------------------------------------------------------
+
+
+def test_standin_enforces_the_real_contract(flash_standin):
+    attnguard.deactivate()  # the stand-in itself, unguarded
+    q, k, v = _qkv()
+    with pytest.raises(
+        NotImplementedError, match="Could not run 'flash_attn::_flash_attn_forward'"
+    ):
+        flash_standin.flash_attn_func(q, k, v)
+    assert __import__("importlib").metadata.version("flash_attn") == "2.8.3"
+
+
+def test_from_imports_bind_the_guarded_functions(flash_standin):
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    from flash_attn.flash_attn_interface import flash_attn_func as from_interface
+
+    assert flash_attn_func is from_interface
+    assert flash_attn_func.__attnguard_original__.__module__ == "flash_attn.flash_attn_interface"
+    assert flash_attn_varlen_func.__attnguard_original__ is not None
+    original = flash_attn_func.__attnguard_original__
+    attnguard.deactivate()
+    assert flash_standin.flash_attn_func is original
+    assert flash_standin.flash_attn_interface.flash_attn_func is original
+
+
+def test_patched_at_import_in_a_fresh_process():
+    code = (
+        "import attnguard\n"
+        "from flash_attn import flash_attn_func\n"
+        "from flash_attn.flash_attn_interface import flash_attn_kvpacked_func as f\n"
+        "print(hasattr(flash_attn_func, '__attnguard_original__'),"
+        " hasattr(f, '__attnguard_original__'))\n"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(repo), str(STANDINS), os.environ.get("PYTHONPATH", "")]),
+        ATTNGUARD="1",
+        ATTNGUARD_LOG="none",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_flash_attn_func_mixed_dtypes_on_cpu(flash_standin):
+    from flash_attn import flash_attn_func
+
+    q, k, v = _qkv()
+    with events.capture() as seen:
+        out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.3)
+    assert out.dtype == BF16 and out.shape == (2, 6, 4, 16)
+    want = reference(q, k, v.float(), _causal(6, 6), scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
+    assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
+    assert seen[0]["from"] == {"q": "float32", "k": "float32", "v": "bfloat16"}
+    assert seen[0]["to"] == "bfloat16"
+
+
+def test_flash_attn_func_returns_lse_when_asked(flash_standin):
+    from flash_attn import flash_attn_func
+
+    q, k, v = _qkv(dtypes=(FP32, FP32, FP32))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert out.dtype == FP32 and lse.shape == (2, 4, 6) and lse.dtype == FP32
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, _causal(6, 6)), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_flash_varlen_packed_sequences_stay_apart(flash_standin):
+    from flash_attn import flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(7, 4, 8, generator=g)
+    k = torch.randn(7, 2, 8, generator=g)
+    v = torch.randn(7, 2, 8, generator=g).to(FP16)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    with events.capture() as seen:
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True)
+    assert out.dtype == FP16 and out.shape == (7, 4, 8)
+    for a, b in ((0, 3), (3, 7)):
+        want = reference(q[None, a:b], k[None, a:b], v[None, a:b].float(), _causal(b - a, b - a))
+        torch.testing.assert_close(out[None, a:b].double(), want, atol=3e-3, rtol=3e-3)
+    assert ("backend_rerouted", "cpu_tensors") in _events(seen)
+
+
+def test_flash_packed_functions(flash_standin):
+    from flash_attn import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    q, k, v = _qkv(hk=4, dtypes=(FP32, BF16, BF16))
+    out = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), causal=True)
+    want = reference(q, k.float(), v.float(), _causal(6, 6))
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
+    qkv = torch.stack([q, k.float(), v.float()], dim=2)
+    out = flash_attn_qkvpacked_func(qkv, causal=False)
+    assert out.dtype == FP32
+    torch.testing.assert_close(out.double(), reference(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_kernel_error_recovered_when_reroute_is_off(flash_standin):
+    attnguard.configure(disable="reroute")
+    from flash_attn import flash_attn_func
+
+    q, k, v = _qkv(dtypes=(BF16, BF16, BF16))
+    with events.capture() as seen:
+        out = flash_attn_func(q, k, v, causal=True)
+        again = flash_attn_func(q, k, v, causal=True)  # latched: straight to the twin
+    want = reference(q, k, v, _causal(6, 6))
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(again, out)
+    assert _events(seen) == [("kernel_error_recovered", "cpu_backend")]
+    assert seen[0]["error"].startswith(
+        "Could not run 'flash_attn::_flash_attn_forward' with arguments from the 'CPU' backend"
+    )
+
+
+def test_unknown_error_from_a_direct_entry_propagates(guard_active):
+    boom = RuntimeError("an error nobody knows")
+
+    def kernel(q, k, v, *args, **kwargs):
+        raise boom
+
+    spec = callguard.DirectSpec(
+        "test.kernel", callguard.KIND_FLASH, kernel, kernel, ("q", "k", "v")
+    )
+    fn = callguard.wrap_direct(spec)
+    q = torch.empty(1, 4, 2, 8, dtype=BF16, device="meta")  # passes the fast checks
+    with events.capture() as seen, pytest.raises(RuntimeError) as info:
+        fn(q, q, q)
+    assert info.value is boom and seen == []
+
+
+@pytest.fixture
+def guard_active():
+    attnguard.activate(log="none")
+    events.reset_counts()
+    callguard.reset_latches()
+    yield
+    attnguard.deactivate()
+
+
+# --- xformers (real PyPI wheel; its ops do not run on CPU) ----------------------------------------
+
+
+def _xf_inputs(seed=2, dtypes=(FP32, FP32, BF16)):
+    return _qkv(b=1, s=7, h=2, hk=2, d=8, seed=seed, dtypes=dtypes)
+
+
+def test_xformers_cannot_run_here_unguarded(xformers_ops):
+    attnguard.deactivate()
+    q, k, v = _xf_inputs(dtypes=(FP32, FP32, FP32))
+    with pytest.raises(
+        NotImplementedError, match="No operator found for `memory_efficient_attention"
+    ):
+        xformers_ops.memory_efficient_attention(q, k, v)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "tensor", "lower_triangular", "block_diagonal"])
+def test_xformers_fallback_with_each_bias_type(xformers_ops, bias_kind):
+    from xformers.ops import fmha, memory_efficient_attention
+
+    q, k, v = _xf_inputs()
+    keep, bias, attn_bias = None, None, None
+    if bias_kind == "tensor":
+        g = torch.Generator().manual_seed(7)
+        bias = torch.randn(1, 2, 7, 7, generator=g)  # fp32 bias with a bf16 computation
+        attn_bias = bias
+    elif bias_kind == "lower_triangular":
+        attn_bias = fmha.attn_bias.LowerTriangularMask()
+        keep = _causal(7, 7, bottom_right=False)
+    elif bias_kind == "block_diagonal":
+        attn_bias = fmha.attn_bias.BlockDiagonalMask.from_seqlens([3, 4])
+        seg = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+        keep = seg[:, None] == seg[None, :]
+    with events.capture() as seen:
+        out = memory_efficient_attention(q, k, v, attn_bias=attn_bias, scale=0.4)
+    assert out.dtype == BF16 and out.shape == q.shape and not torch.isnan(out).any()
+    want = reference(q, k, v.float(), keep=keep, bias=bias, scale=0.4)
+    torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
+    got = _events(seen)
+    assert got[0] == ("qkv_unified", "mixed_dtypes") and got[-1] == (
+        "backend_rerouted",
+        "cpu_tensors",
+    )
+
+
+def test_xformers_fmha_module_is_guarded_too(xformers_ops):
+    from xformers.ops import fmha
+
+    assert fmha.memory_efficient_attention is xformers_ops.memory_efficient_attention
+    assert fmha.memory_efficient_attention.__attnguard_original__ is not None
+
+
+def test_xformers_no_operator_error_recovered_when_reroute_is_off(xformers_ops):
+    attnguard.configure(disable="reroute")
+    q, k, v = _xf_inputs(dtypes=(FP32, FP32, FP32))
+    with events.capture() as seen:
+        out = xformers_ops.memory_efficient_attention(q, k, v)
+    torch.testing.assert_close(out.double(), reference(q, k, v), atol=1e-5, rtol=1e-5)
+    assert _events(seen) == [("kernel_error_recovered", "xformers_no_operator")]
+    assert seen[0]["error"].startswith("No operator found for `memory_efficient_attention_forward`")
+
+
+# --- a custom attention module written the way VAR writes it ------------------------------------
+
+
+class VARSelfAttention(torch.nn.Module):
+    """VAR's SelfAttention pattern (family D), without its hand-written casts.
+
+    q and k are L2-normalised and multiplied by a float32 learnable scale, so they come out
+    float32 while v stays in the model's half dtype; an additive attn_bias in training, none at
+    inference; the kernel is called directly.
+    """
+
+    def __init__(self, backend: str, dim=32, heads=4, dtype=BF16):
+        super().__init__()
+        self.backend, self.heads, self.head_dim = backend, heads, dim // heads
+        self.mat_qkv = torch.nn.Linear(dim, 3 * dim, bias=False, dtype=dtype)
+        self.scale_mul_1H11 = torch.nn.Parameter(torch.full((1, heads, 1, 1), 4.0).log())
+        self.proj = torch.nn.Linear(dim, dim, dtype=dtype)
+        self.scale = 1.0
+
+    def qkv(self, x):
+        b, n, c = x.shape
+        q, k, v = self.mat_qkv(x).view(b, n, 3, self.heads, self.head_dim).unbind(dim=2)
+        scale_mul = self.scale_mul_1H11.clamp_max(math.log(100)).exp().transpose(1, 2)
+        q = F.normalize(q, dim=-1).mul(scale_mul)  # float32 now
+        k = F.normalize(k, dim=-1).mul(scale_mul)
+        return q, k, v
+
+    def forward(self, x, attn_bias=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x)
+        if self.backend == "flash":
+            from flash_attn import flash_attn_func
+
+            out = flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=self.scale)
+        else:
+            from xformers.ops import memory_efficient_attention
+
+            bias = None if attn_bias is None else attn_bias.expand(b, self.heads, -1, -1)
+            out = memory_efficient_attention(q, k, v, attn_bias=bias, p=0.0, scale=self.scale)
+        return self.proj(out.reshape(b, n, c))
+
+    def reference(self, x, attn_bias=None):
+        q, k, v = self.qkv(x)
+        bias = None if attn_bias is None else attn_bias.expand(x.shape[0], self.heads, -1, -1)
+        out = reference(q, k, v, bias=bias, scale=self.scale)
+        w, bb = self.proj.weight.double(), self.proj.bias.double()
+        return out.reshape(x.shape) @ w.T + bb
+
+
+def _var_inputs(training: bool):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 32, generator=g).to(BF16)
+    if not training:
+        return x, None
+    # VAR's training bias: additive, -inf above the block-causal staircase, float32
+    level = torch.tensor([0, 1, 1, 2, 2, 2])
+    return x, torch.where(level[:, None] >= level[None, :], 0.0, -math.inf)[None, None]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_var_attention_through_xformers(xformers_ops, training):
+    torch.manual_seed(0)
+    attn = VARSelfAttention("xformers").train(training)
+    x, bias = _var_inputs(training)
+    attnguard.deactivate()
+    with pytest.raises((ValueError, NotImplementedError)):  # unguarded: it fails
+        attn(x, bias)
+    attnguard.activate(log="none")
+    with torch.no_grad(), events.capture() as seen:
+        out = attn(x, bias)
+        want = attn.reference(x, bias)
+    assert out.dtype == BF16 and not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
+    assert ("qkv_unified", "mixed_dtypes") in _events(seen)
+
+
+def test_var_attention_through_flash_attn(flash_standin):
+    torch.manual_seed(0)
+    attn = VARSelfAttention("flash").eval()
+    x, _ = _var_inputs(training=False)
+    with torch.no_grad(), events.capture() as seen:
+        out = attn(x)
+        want = attn.reference(x)
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
+    assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
