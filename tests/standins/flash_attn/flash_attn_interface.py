@@ -8,6 +8,10 @@ real package. See ``tests/standins/README.md``.
 import torch
 from _flash_attn_standin_ops import _attend, _check_inputs, _not_implemented  # noqa: F401
 
+# The real module binds its CUDA extension here (``import flash_attn_2_cuda as flash_attn_gpu``);
+# xformers reads this name when it is imported. The stand-in has no extension module to offer.
+flash_attn_gpu = None
+
 
 def flash_attn_func(
     q,

@@ -1,0 +1,224 @@
+"""Every example in examples/ runs, in a fresh Python, as a user would run it.
+
+Each child gets this checkout on PYTHONPATH, HF_HUB_OFFLINE=1 and attnguard's JSON lines on
+stderr. An example ends with ``EVENTS: [...]`` (the events it caused, in order) and, where it
+shows a decision for a machine we are not on, ``PLANNED: [...]`` (from the real planner with
+injected facts). The tests check both, check that the stderr JSON stream carries exactly the
+events the example reported, and check the numbers the attention examples compare with a float64
+reference. GPU runs of families A, C and E live in tests/gpu/test_examples_gpu.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PY, REPO, STANDINS, subprocess_env
+
+from attnguard import facts
+
+EXAMPLES = REPO / "examples"
+BROKEN_DIR = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
+HAS_XFORMERS = importlib.util.find_spec("xformers") is not None
+BOOKKEEPING = ("activated", "summary")
+
+
+@dataclass
+class Run:
+    stdout: str
+    stderr: str
+    events: list[str] | None = None  # the EVENTS line
+    planned: list[str] | None = None  # the PLANNED line
+    logged: list[dict[str, Any]] = field(default_factory=list)  # stderr JSON lines
+    errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (err, scale)
+
+    def caused(self) -> list[dict[str, Any]]:
+        return [e for e in self.logged if e["event"] not in BOOKKEEPING]
+
+
+def run_example(name: str, *extra_path: str | Path) -> Run:
+    env = subprocess_env(HF_HUB_OFFLINE="1", ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json")
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), env["PYTHONPATH"]])
+    res = subprocess.run(
+        [PY, str(EXAMPLES / name)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    run = Run(res.stdout, res.stderr)
+    for line in res.stdout.splitlines():
+        if line.startswith("EVENTS: "):
+            run.events = json.loads(line[len("EVENTS: ") :])
+        elif line.startswith("PLANNED: "):
+            run.planned = json.loads(line[len("PLANNED: ") :])
+        elif line.startswith("MAX_ERR "):
+            label, rest = line[len("MAX_ERR ") :].rsplit(": ", 1)
+            err, scale = rest.split(" (scale ")
+            run.errors[label] = (float(err), float(scale.rstrip(")")))
+    for line in res.stderr.splitlines():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("schema") == 1:
+                run.logged.append(record)
+    if run.events is not None:
+        # the stderr stream and the example's own report agree, and the exit summary names them
+        # (its counts include repeats, which are emitted once)
+        assert [e["event"] for e in run.caused()] == run.events
+        summary = [e for e in run.logged if e["event"] == "summary"]
+        assert len(summary) == 1
+        assert set(summary[0]["events"]) == set(run.events)
+    return run
+
+
+def close_to_reference(run: Run, rel: float) -> None:
+    assert run.errors, run.stdout
+    for label, (err, scale) in run.errors.items():
+        assert err <= rel * max(scale, 1.0), (label, err, scale)
+
+
+def test_every_example_has_a_test() -> None:
+    tested = {
+        "quickstart.py",
+        "family_a_flash_not_on_gpu.py",
+        "family_b_old_gpu.py",
+        "family_c_torchrun_device_map.py",
+        "family_d_custom_attention.py",
+        "family_e_fp32_flash.py",
+        "broken_flash_install.py",
+        "xformers_unusable.py",
+    }
+    present = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
+    assert present == tested
+
+
+def _flash_status() -> facts.Backend:
+    return facts.current().backend("flash_attention_2")
+
+
+def test_quickstart_falls_back_and_generates() -> None:
+    run = run_example("quickstart.py")
+    caused = run.caused()
+    assert [e["event"] for e in caused] == ["backend_fallback"]
+    assert caused[0]["selected"] == "sdpa" and "attention backend 'sdpa'" in run.stdout
+
+
+def test_family_a_loads_with_sdpa_here_and_plans_the_placement_on_a_gpu() -> None:
+    run = run_example("family_a_flash_not_on_gpu.py")
+    assert run.events == ["backend_fallback"]
+    (fallback,) = run.caused()
+    assert fallback["reason_code"] == _flash_status().reason_code
+    assert fallback["model"] == "Qwen2_5_VLForConditionalGeneration"
+    assert fallback["requested"] == "flash_attention_2" and fallback["selected"] == "sdpa"
+    assert "without attnguard: " in run.stdout and "Error" in run.stdout.split("without")[1]
+    assert "on cpu, torch.bfloat16, attention 'sdpa'" in run.stdout
+    assert run.planned == ["model_placed"]
+    assert "loading it straight onto cuda:3" in run.stdout  # rank 3 of 8
+    assert "observed (zero3_init)" in run.stdout  # ZeRO-3: left alone
+
+
+def test_family_b_falls_back_here_and_plans_sdpa_and_fp16_on_a_v100() -> None:
+    run = run_example("family_b_old_gpu.py")
+    assert run.events == ["backend_fallback"]
+    assert run.caused()[0]["reason_code"] == _flash_status().reason_code
+    assert "torch.bfloat16, attention 'sdpa'; one training step" in run.stdout
+    assert run.planned == ["backend_fallback", "model_cast"]
+    assert "backend_fallback (capability_too_low)" in run.stdout
+    assert "model_cast (no_native_bf16)" in run.stdout and "loading in float16" in run.stdout
+
+
+def test_family_c_plans_one_replica_or_one_gpu_slice_per_rank() -> None:
+    run = run_example("family_c_torchrun_device_map.py")
+    assert run.events == ["backend_fallback"]  # flash-attn cannot run here; the map is kept
+    assert "rank 0 of 1: model on ['cpu']" in run.stdout
+    assert run.planned == ["device_map_rewritten"] * 4
+    assert "device_map_per_rank" in run.stdout and "device_map_gpu_slice" in run.stdout
+    assert "device_map={'': 'cuda:0'}" in run.stdout
+    assert "device_map={'': 'cuda:1'}" in run.stdout
+    # the big model: rank 0 gets GPUs 0-1, rank 1 GPUs 2-3, every other GPU capped at 0
+    slices = [line for line in run.stdout.splitlines() if "device_map='auto', max_memory=" in line]
+    assert len(slices) == 2
+    assert "2: 0, 3: 0}" in slices[0] and "{0: 0, 1: 0, " in slices[1]
+    assert "torchrun --nproc-per-node=2" in run.stdout
+
+
+@pytest.mark.skipif(not HAS_XFORMERS, reason="xformers is not installed (scripts/test.sh does)")
+def test_family_d_unifies_dtypes_and_carries_xformers_on_sdpa() -> None:
+    run = run_example("family_d_custom_attention.py")
+    assert run.events == ["qkv_unified", "backend_rerouted"]
+    unified, rerouted = run.caused()
+    site = "xformers.memory_efficient_attention"
+    assert unified["site"] == rerouted["site"] == site
+    assert unified["from"] == {"query": "float32", "key": "float32", "value": "bfloat16"}
+    assert unified["to"] == "bfloat16"
+    assert rerouted["reason_code"] == "cpu_tensors" and rerouted["selected"] == "sdpa"
+    assert "Query/Key/Value should either all have the same dtype" in run.stdout
+    close_to_reference(run, 0.02)  # bf16 inputs; a lost block-causal mask costs ~1.0
+
+
+def _standin_coexists_with_xformers() -> bool:
+    # xformers' import of flash_attn reads flash_attn_interface.flash_attn_gpu
+    text = (STANDINS / "flash_attn" / "flash_attn_interface.py").read_text()
+    return "flash_attn_gpu" in text
+
+
+@pytest.mark.skipif(
+    HAS_XFORMERS and not _standin_coexists_with_xformers(),
+    reason="xformers cannot import next to the flash-attn stand-in (no flash_attn_gpu attribute)",
+)
+def test_family_d_flash_path_with_the_flash_attn_standin() -> None:
+    # stand-in: the real flash-attn cannot be installed on a CPU machine
+    run = run_example("family_d_custom_attention.py", STANDINS)
+    flash = [e for e in run.caused() if e["site"] == "flash_attn.flash_attn_func"]
+    assert [e["event"] for e in flash] == ["qkv_unified", "backend_rerouted"]
+    assert flash[0]["from"] == {"q": "float32", "k": "float32", "v": "bfloat16"}
+    assert "with arguments from the 'CPU' backend" in run.stdout  # the stand-in's own refusal
+    assert any(label.startswith("inference (flash_attn") for label in run.errors)
+    close_to_reference(run, 0.02)
+
+
+def test_family_e_falls_back_here_and_plans_bf16_on_the_gpu_for_an_h100() -> None:
+    run = run_example("family_e_fp32_flash.py")
+    assert run.events == ["backend_fallback"]
+    assert run.caused()[0]["reason_code"] == _flash_status().reason_code
+    assert "on cpu, torch.float32, attention 'sdpa'; first forward ran" in run.stdout
+    assert run.planned == ["model_cast", "model_placed"]
+    assert "loading in bfloat16" in run.stdout and "onto cuda:0" in run.stdout
+    assert run.stdout.count("observed (fsdp_init)") == 2  # verl's FSDP actor: left alone
+
+
+def test_broken_flash_install_example_without_one_says_how_to_make_one() -> None:
+    if _flash_status().reason_code == facts.EXTENSION_BROKEN:
+        pytest.skip("this environment itself has a broken flash-attn install")
+    run = run_example("broken_flash_install.py")
+    assert run.events == []
+    assert "FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE" in run.stdout
+
+
+@pytest.mark.skipif(
+    BROKEN_DIR is None, reason="TEST_BROKEN_FLASH_ATTN_DIR not set (test.sh sets it)"
+)
+def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
+    assert BROKEN_DIR is not None
+    run = run_example("broken_flash_install.py", BROKEN_DIR)
+    assert run.events == ["backend_fallback"]
+    (fallback,) = run.caused()
+    assert fallback["reason_code"] == facts.EXTENSION_BROKEN
+    assert "No module named 'flash_attn_2_cuda'" in fallback["reason"]
+    assert "with 'sdpa'" in run.stdout and "one training step ran" in run.stdout
+
+
+@pytest.mark.skipif(not HAS_XFORMERS, reason="xformers is not installed (scripts/test.sh does)")
+def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
+    run = run_example("xformers_unusable.py")
+    assert "No operator found for `memory_efficient_attention_forward`" in run.stdout
+    assert run.events == ["backend_rerouted"]  # once per call site, then latched
+    assert run.caused()[0]["reason_code"] == "cpu_tensors"
+    assert set(run.errors) == {"tensor bias", "LowerTriangularMask", "BlockDiagonalMask"}
+    close_to_reference(run, 0.005)  # fp16 rounding; a wrong mask costs ~2.7
