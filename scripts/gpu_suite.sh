@@ -51,10 +51,16 @@ fi
 
 if [[ " $parts " == *" multigpu "* ]] && [ "$ngpu" -ge 2 ]; then
   section "Multi-GPU tests (two GPUs)"
-  python3 -m pytest tests/gpu -m "multigpu" -v -rA -p no:cacheprovider \
-    --junitxml="$OUT/junit_multigpu.xml" >>"$log" 2>&1
+  # ATTNGUARD=1 must reach torchrun's workers through the start-up hook: install its two files
+  # into site-packages (no build backend on an offline machine; attnguard itself is on PYTHONPATH)
+  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  cp hook/attnguard.pth hook/_attnguard_hook.py "$site/"
+  python3 -m pytest tests/gpu -m "multigpu" -v -rA -p no:cacheprovider >"$OUT/part.log" 2>&1
   echo "exit code $?" >>"$results"
-  grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$log" | grep multigpu | sed 's/^/    /' >>"$results"
+  cat "$OUT/part.log" >>"$log"
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/part.log" | sed 's/^/    /' >>"$results"
+  tail -n 1 "$OUT/part.log" | sed 's/^/    /' >>"$results"
+  rm -f "$OUT/part.log" "$site/attnguard.pth" "$site/_attnguard_hook.py"
 fi
 
 if [[ " $parts " == *" bench "* ]]; then
