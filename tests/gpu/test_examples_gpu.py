@@ -47,7 +47,11 @@ def test_family_e_casts_the_fp32_model_to_bf16_and_places_it() -> None:
 def test_family_c_under_torchrun_each_rank_loads_its_own_replica(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two or more CUDA GPUs")
-    env = subprocess_env(HF_HUB_OFFLINE="1", ATTNGUARD_LOG=str(tmp_path / "events-{rank}.jsonl"))
+    env = subprocess_env(
+        HF_HUB_OFFLINE="1",
+        ATTNGUARD_LOG=str(tmp_path / "events-{rank}.jsonl"),
+        ATTNGUARD_LOG_FORMAT="json",  # the examples default to console lines
+    )
     cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2"]
     res = subprocess.run(
         [*cmd, str(EXAMPLES / "family_c_torchrun_device_map.py")],
