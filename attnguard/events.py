@@ -302,14 +302,6 @@ def summary_fields() -> dict[str, Any]:
     }
 
 
-def emit_summary() -> None:
-    """The exit report: counts per event and reason."""
-    fields = summary_fields()
-    n = fields["interventions"]
-    reason = f"{n} intervention(s) by attnguard in this process" if n else "no interventions"
-    emit("summary", site="process", reason_code="exit", reason=reason, **fields)
-
-
 def _at_exit() -> None:
     if _state.settings.enabled:
         with contextlib.suppress(Exception):

@@ -36,34 +36,57 @@ _STORE_PREFIX = "attnguard/summary/v1/"
 
 # --- what to change in your own code, per reason_code (data; `attnguard summary` prints it) ------
 # Exact reason codes first; then (substring, hint) rules; then a default per event.
+_SDPA = 'request attn_implementation="sdpa"'
 HINTS: dict[str, str] = {
-    "flash_attn_missing": 'install flash-attn or request attn_implementation="sdpa"',
-    "flash_attn_broken": (
-        "reinstall flash-attn built for this torch (pip install --force-reinstall "
-        '--no-build-isolation flash-attn) or request attn_implementation="sdpa"'
+    # load time: why a flash backend could not run (attnguard.facts / attnguard.plan)
+    "package_missing": f"install flash-attn for this torch and GPU, or {_SDPA}",
+    "extension_broken": (
+        "flash-attn's CUDA extension does not import (built for another torch?): reinstall it "
+        f"against this torch, or {_SDPA}"
     ),
-    "flash_attn_unsupported_gpu": (
-        'flash-attn needs an Ampere (sm80) or newer GPU: request attn_implementation="sdpa"'
-    ),
-    "fp32_with_flash": "load with dtype=torch.bfloat16 (torch_dtype= before transformers 4.56)",
+    "no_cuda": f"flash kernels need a CUDA GPU: on this machine {_SDPA}",
+    "capability_too_low": f"flash-attn 2 needs an Ampere (sm80) or newer GPU: {_SDPA}",
+    "version_too_old": f"upgrade flash-attn to a version transformers accepts, or {_SDPA}",
+    "torch_too_old": "upgrade torch, or request a backend this torch offers",
+    "probe_failed": f"flash-attn is installed but a tiny call failed on this GPU: {_SDPA}",
+    "model_unsupported": f"this model class has no flash-attention support: {_SDPA}",
+    "flash_needs_half": "load with dtype=torch.bfloat16 (torch_dtype= before transformers 4.56)",
     "no_native_bf16": "this GPU has no native bf16: load with dtype=torch.float16",
-    "flash_model_not_on_gpu": 'load with device_map={"": local_rank} (or "cuda")',
+    "flash_needs_gpu": 'load with device_map={"": local_rank} (the model was built on the CPU)',
+    "plan_mismatch": "report it: attnguard's plan and the loaded model disagree",
+    # several processes (attnguard.multigpu)
     "device_map_per_rank": 'under torchrun load with device_map={"": local_rank}',
     "device_map_shared_gpus": (
         'more ranks than GPUs: load with device_map={"": local_rank % torch.cuda.device_count()}'
     ),
     "device_map_gpu_slice": (
         "give each rank its own GPUs: device_map='auto' with max_memory covering only "
-        "GPUs [local_rank*k, (local_rank+1)*k), or CUDA_VISIBLE_DEVICES per rank"
+        "that rank's GPUs"
     ),
     "rotary_device_mismatch": (
-        "keep the rotary embedding and its position_ids on one device (one replica per rank, "
+        "keep the rotary embedding on its inputs' device (one GPU per replica: "
         'device_map={"": local_rank}), or upgrade transformers'
     ),
-    "qkv_dtype_mismatch": "cast q, k, v (and the bias) to one dtype before the attention call",
-    "qkv_device_mismatch": "compute q, k, v on one device",
-    "head_dim_too_large": 'flash kernels take head_dim <= 256: use attn_implementation="sdpa"',
+    # call time (attnguard.callguard)
+    "mixed_dtypes": "cast q, k, v to one dtype before the attention call",
+    "mask_dtype": "build the attention mask in the dtype of q, k, v",
+    "bias_dtype": "build the attention bias in the dtype of q, k, v",
+    "fp32_into_flash": "run the model in bf16/fp16 (or autocast) where it calls a flash kernel",
+    "device_mismatch": "compute q, k, v and the mask on one device",
+    "cpu_tensors": "move the model to the GPU before calling a flash kernel, or use sdpa on CPU",
+    "mask_4d": f"flash kernels take a 2D padding mask only: {_SDPA} for custom masks",
+    "head_dim_unsupported": f"flash kernels take head_dim <= 256: {_SDPA}",
     "output_attentions": 'output_attentions=True needs attn_implementation="eager"',
+    "fp32_input": "load the model in bf16/fp16, or keep ATTNGUARD_FP32_POLICY=fallback",
+    "gpu_too_old": f"this GPU cannot run the kernel: {_SDPA}",
+    "dtype_unsupported": "run the kernel in bf16/fp16 (load with dtype=torch.bfloat16)",
+    "no_sdpa_kernel": "no fused SDPA kernel takes these inputs: check dtype, mask and head_dim",
+    "xformers_no_operator": (
+        "xformers has no working operator here (built for another torch?): reinstall xformers "
+        "for this torch, or call torch.nn.functional.scaled_dot_product_attention"
+    ),
+    "cpu_backend": "the kernel has no CPU implementation: run on the GPU, or use sdpa on CPU",
+    "no_kernel_image": "the kernel was not built for this GPU: reinstall it for this GPU",
 }
 HINT_RULES: tuple[tuple[str, str], ...] = (
     ("fp32", "load with dtype=torch.bfloat16 (torch_dtype= before transformers 4.56)"),
@@ -167,11 +190,44 @@ def aggregate(per_rank: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
 # --- exit: one summary per job -------------------------------------------------------------------
 
 
+def advice(reasons: Mapping[str, int]) -> list[dict[str, Any]]:
+    """What was changed, how often, why, and what to change in your own code: one row each.
+
+    ``reasons`` maps "event:reason_code" to a count (the summary's ``reasons`` field).
+    """
+    rows = []
+    for key, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        event, _, code = key.partition(":")
+        if event == "observed":
+            continue
+        rows.append(
+            {"event": event, "reason_code": code, "count": count, "hint": hint_for(event, code)}
+        )
+    return rows
+
+
+def _story(head: str, rows: list[dict[str, Any]]) -> str:
+    """The summary's reason: a headline, then each change with its count and the fix."""
+    if not rows:
+        return head
+    parts = [f"{r['event']} x{r['count']} ({r['reason_code']}): {r['hint']}" for r in rows[:5]]
+    more = f"; and {len(rows) - 5} more" if len(rows) > 5 else ""
+    return f"{head}. To no longer need the guard: " + "; ".join(parts) + more
+
+
 def _emit_local() -> None:
     fields = local_fields()
     n = fields["interventions"]
-    reason = f"{n} intervention(s) by attnguard in this process" if n else "no interventions"
-    events.emit("summary", site="process", reason_code="exit", reason=reason, **fields)
+    rows = advice(fields["reasons"])
+    head = f"{n} intervention(s) by attnguard in this process" if n else "no interventions"
+    events.emit(
+        "summary",
+        site="process",
+        reason_code="exit",
+        reason=_story(head, rows),
+        advice=rows,
+        **fields,
+    )
 
 
 def _emit_job(per_rank: Mapping[int, Mapping[str, Any]], world_size: int) -> None:
@@ -185,12 +241,14 @@ def _emit_job(per_rank: Mapping[int, Mapping[str, Any]], world_size: int) -> Non
     )
     if missing:
         reason += f" (no report from rank(s) {', '.join(map(str, missing))})"
+    rows = advice(fields["reasons"])
     events.emit(
         "summary",
         site="job",
         reason_code="exit_all_ranks",
-        reason=reason,
+        reason=_story(reason, rows),
         missing_ranks=missing,
+        advice=rows,
         **fields,
     )
 

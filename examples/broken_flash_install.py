@@ -25,7 +25,8 @@ import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
+if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log files stay JSON
+    os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
 
 import attnguard  # noqa: E402, F401  (importing activates the guard)
 import torch  # noqa: E402

@@ -23,7 +23,8 @@ import os
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
+if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log files stay JSON
+    os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
 for var, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
     os.environ.setdefault(var, value)  # what torchrun sets for a one-process run
 

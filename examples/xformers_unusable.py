@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
+if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log files stay JSON
+    os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
 
 import attnguard  # noqa: E402, F401  (importing activates the guard, before xformers is imported)
 import torch  # noqa: E402

@@ -148,8 +148,8 @@ def test_summary_at_exit_in_a_fresh_process(tmp_path: Path) -> None:
     code = (
         "import attnguard\n"
         "from attnguard import events\n"
-        "for _ in range(3): events.emit('qkv_unified', site='s', reason_code='mixed_dtype', reason='x')\n"
-        "events.emit('backend_fallback', site='t', reason_code='flash_attn_missing', reason='y')\n"
+        "for _ in range(3): events.emit('qkv_unified', site='s', reason_code='mixed_dtypes', reason='x')\n"
+        "events.emit('backend_fallback', site='t', reason_code='package_missing', reason='y')\n"
     )
     subprocess.run([PY, "-c", code], env=subprocess_env(ATTNGUARD_LOG=str(log)), check=True)
     parsed = [json.loads(x) for x in log.read_text().splitlines()]
@@ -157,7 +157,15 @@ def test_summary_at_exit_in_a_fresh_process(tmp_path: Path) -> None:
     assert summary["event"] == "summary"
     assert summary["events"] == {"qkv_unified": 3, "backend_fallback": 1}
     assert summary["reasons"] == {
-        "qkv_unified:mixed_dtype": 3,
-        "backend_fallback:flash_attn_missing": 1,
+        "qkv_unified:mixed_dtypes": 3,
+        "backend_fallback:package_missing": 1,
     }
     assert summary["interventions"] == 4
+    # reads like a report: what changed, how often, why, and what to change in your own code
+    assert [(a["event"], a["count"]) for a in summary["advice"]] == [
+        ("qkv_unified", 3),
+        ("backend_fallback", 1),
+    ]
+    assert summary["advice"][0]["hint"] == "cast q, k, v to one dtype before the attention call"
+    assert summary["reason"].startswith("4 intervention(s) by attnguard in this process. To no")
+    assert "backend_fallback x1 (package_missing): install flash-attn" in summary["reason"]

@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 
 import attnguard
-from attnguard import events
+from attnguard import events, summary
 from attnguard.patching import report_internal_error
 
 FIXED = [
@@ -291,7 +291,7 @@ def _emit_a_run() -> None:
     )
     events.emit("observed", **OTEL_CASES[1][3])
     report_internal_error("xformers.memory_efficient_attention", ValueError("bad\nsecond line"))
-    events.emit_summary()
+    summary.emit_exit_summary()
 
 
 def test_jsonl_loads_in_pandas_without_post_processing(jsonl_log: Path) -> None:

@@ -37,7 +37,7 @@ if rank == 1 and guarded:
     for _ in range(5):
         events.emit("tensors_aligned", site="rotary:Qwen2_5_VLRotaryEmbedding",
                     reason_code="rotary_device_mismatch", reason="moved position_ids")
-    events.emit("backend_fallback", site="transformers.load", reason_code="flash_attn_missing",
+    events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
                 reason="flash-attn is not installed")
 if mode == "barrier":
     dist.barrier()
@@ -130,10 +130,10 @@ def test_aggregate_sums_counts_and_names_the_ranks() -> None:
 
 
 def test_every_hint_names_a_change_in_user_code() -> None:
-    assert summary.hint_for("backend_fallback", "flash_attn_missing") == (
-        'install flash-attn or request attn_implementation="sdpa"'
+    assert summary.hint_for("backend_fallback", "package_missing").startswith(
+        'install flash-attn for this torch and GPU, or request attn_implementation="sdpa"'
     )
-    assert "bfloat16" in summary.hint_for("model_cast", "fp32_with_flash")
+    assert "bfloat16" in summary.hint_for("model_cast", "flash_needs_half")
     assert summary.hint_for("device_map_rewritten", "device_map_per_rank") == (
         'under torchrun load with device_map={"": local_rank}'
     )
@@ -166,7 +166,7 @@ def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
     assert set(rows) == {
         ("device_map_rewritten", "device_map_per_rank"),
         ("tensors_aligned", "rotary_device_mismatch"),
-        ("backend_fallback", "flash_attn_missing"),
+        ("backend_fallback", "package_missing"),
     }
     # rank 0 rewrote twice, rank 1 three times: the summaries' counts, not the one line each
     assert rows[("device_map_rewritten", "device_map_per_rank")]["count"] == 5
@@ -176,7 +176,7 @@ def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
     assert rows[("tensors_aligned", "rotary_device_mismatch")]["sites"] == [
         "rotary:Qwen2_5_VLRotaryEmbedding"
     ]
-    assert rows[("backend_fallback", "flash_attn_missing")]["hint"].startswith("install flash-attn")
+    assert rows[("backend_fallback", "package_missing")]["hint"].startswith("install flash-attn")
     assert report["ranks"] == [0, 1] and report["interventions"] == 11
     assert report["malformed_lines"] == {str(files[1]): 3}
 
@@ -240,3 +240,25 @@ def test_a_rank_that_never_reports_is_named_not_waited_for(tmp_path: Path) -> No
     (job,) = _summaries(tmp_path / "events-0.jsonl")
     assert job["ranks"] == [0] and job["missing_ranks"] == [1]
     assert "no report from rank(s) 1" in job["reason"]
+
+
+def test_every_reason_code_the_guard_emits_has_its_own_hint() -> None:
+    """Codes are read from the modules that emit them: a new code without a hint fails here."""
+    from attnguard import callguard, facts, plan
+
+    codes = {
+        facts.PACKAGE_MISSING,
+        facts.EXTENSION_BROKEN,
+        facts.NO_CUDA,
+        facts.CAPABILITY_TOO_LOW,
+        facts.VERSION_TOO_OLD,
+        facts.PROBE_FAILED,
+        facts.TORCH_TOO_OLD,
+    }
+    codes |= {r.reason_code for r in plan.TABLE if r.remedy and not r.reason_code.startswith("<")}
+    codes |= {code for _, code in callguard.KNOWN_KERNEL_ERRORS}
+    codes |= set(callguard._REROUTE_REASONS) | set(callguard._DIRECT_REROUTE_REASONS)
+    codes |= {"mixed_dtypes", "mask_dtype", "bias_dtype", "fp32_into_flash", "device_mismatch"}
+    codes |= {"device_map_per_rank", "device_map_shared_gpus", "device_map_gpu_slice"}
+    codes |= {"rotary_device_mismatch", "plan_mismatch"}
+    assert sorted(c for c in codes if c not in summary.HINTS) == []
