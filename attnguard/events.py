@@ -168,7 +168,13 @@ def render_json(ed: dict[str, Any]) -> str:
     return json.dumps(ed, default=str, separators=(", ", ": "))
 
 
-_CONSOLE_SKIP = frozenset({"schema", "event", "level", "ts", "pid", "host", "reason", "mode"})
+# JSON keeps everything; the console line keeps what a person scans for. The summary's counts
+# and advice are already in its reason.
+_CONSOLE_SKIP = frozenset(
+    {"schema", "event", "level", "ts", "pid", "host", "reason", "mode"}
+    | {"settings", "keys", "sites", "events", "reasons", "advice", "event_ranks", "reason_ranks"}
+    | {"per_rank"}
+)
 
 
 def _one_line(value: object) -> str:
