@@ -156,6 +156,7 @@ def test_devices_aligned_on_gpu(guard):
     assert _events(seen) == [("tensors_aligned", "device_mismatch")]
 
 
+@pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_devices_aligned_across_gpus(guard):
     from flash_attn import flash_attn_func
