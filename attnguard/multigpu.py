@@ -28,6 +28,17 @@ from . import events
 
 # device_map strings that make accelerate spread the model over every visible GPU.
 SPREADING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def spreads_over_ranks(device_map: Any, world_size: int) -> bool:
+    """True for a device_map that spreads over every visible GPU, in a job of several ranks."""
+    return (
+        world_size > 1
+        and isinstance(device_map, str)
+        and device_map.strip().lower() in SPREADING_DEVICE_MAPS
+    )
+
+
 # Share of a GPU's memory the weights may take; the rest is for activations and the KV cache.
 # 0.9 is accelerate's own compromise for a single device.
 USABLE_FRACTION = 0.9
@@ -145,10 +156,7 @@ def plan_device_map(
           and ``max_memory`` limits this rank to GPUs ``[local_rank*k, (local_rank+1)*k)``, every
           other GPU 0 (accelerate then never places a weight there).
     """
-    if world_size <= 1 or not isinstance(device_map, str):
-        return None
-    requested = device_map.strip().lower()
-    if requested not in SPREADING_DEVICE_MAPS or n_gpus <= 0:
+    if not spreads_over_ranks(device_map, world_size) or n_gpus <= 0:
         return None
     ranks = max(local_world_size or world_size, 1)
     before = {

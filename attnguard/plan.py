@@ -21,8 +21,6 @@ from .facts import FLASH_BACKENDS, Facts, _canonical
 # remedy names (as in ATTNGUARD_DISABLE)
 FALLBACK, CAST, PLACE, DEVICE_MAP = "fallback", "cast", "place", "device_map"
 
-SPREADING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
-
 
 @dataclass(frozen=True)
 class Rule:
@@ -606,13 +604,10 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
 
 def _device_map_decision(request: LoadRequest, facts: Facts) -> Any:
     """attnguard.multigpu's pure planner with these facts (issue 5)."""
-    if not (
-        isinstance(request.device_map, str)
-        and request.device_map.strip().lower() in SPREADING_DEVICE_MAPS
-        and facts.launch.world_size > 1
-    ):
+    from .multigpu import plan_device_map, spreads_over_ranks
+
+    if not spreads_over_ranks(request.device_map, facts.launch.world_size):
         return None
-    from .multigpu import plan_device_map
 
     n_gpus = len(facts.gpus) if facts.cuda else 0
     return plan_device_map(

@@ -30,6 +30,7 @@ from . import facts as facts_mod
 from .config import Settings
 from .errors import AttnGuardError
 from .facts import Facts, _canonical
+from .multigpu import spreads_over_ranks
 from .patching import report_internal_error
 from .plan import LoadRequest, Plan, dtype_name, is_flash, plan_backend, plan_load
 
@@ -38,7 +39,6 @@ SITE_FROM_CONFIG = "transformers.from_config"
 SITE_INIT = "transformers.init"
 SITE_SET_ATTN = "transformers.set_attn_implementation"
 
-_SPREADING = ("auto", "balanced", "balanced_low_0", "sequential")
 _HUB_KWARGS = (
     "cache_dir",
     "force_download",
@@ -217,11 +217,7 @@ def load_request(
         quantized=facts_mod.is_quantized_load(kwargs, config_obj),
         supports_flash=_supports_flash(cls),
     )
-    spreading = (
-        isinstance(request.device_map, str)
-        and request.device_map.strip().lower() in _SPREADING
-        and facts.launch.world_size > 1
-    )
+    spreading = spreads_over_ranks(request.device_map, facts.launch.world_size)
     if not (_needs_checkpoint_facts(request, facts) or spreading):
         return request
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
