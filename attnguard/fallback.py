@@ -20,6 +20,11 @@ Conventions kept from the real kernels:
   dropout is on) is always ``None``. With causal ALiBi, flash-attn's own kernel drops the
   row-constant part of the bias, so its lse differs from ours by that constant; ``out`` agrees.
 * ``deterministic`` is accepted and ignored (the forward pass is deterministic anyway).
+* ``torch.compile(fullgraph=True)`` traces every function as one graph: mask decisions are
+  made from shapes and window values, never from tensor values. ``flash_attn_varlen_func``
+  reads ``cu_seqlens`` on the host in eager calls; under compile it switches to a padded-batch
+  formulation that needs ``max_seqlen_q/k`` to bound the lengths, as flash-attn does. Block-
+  diagonal xformers biases carry their lengths as Python lists: one graph per distinct list.
 * xformers: layouts ``[B, M, K]``, ``[B, M, H, K]`` and ``[B, M, G, H, K]``; ``attn_bias`` may be
   ``None``, an additive tensor, or any ``xformers.ops.fmha.attn_bias`` object (recognised by
   duck typing; xformers is never imported here). Note that xformers' ``LowerTriangularMask``
@@ -111,14 +116,6 @@ def _sdpa(
     return out.to(q.dtype)
 
 
-def _empty_rows(mask: Tensor | None) -> Tensor | None:
-    """Bool (..., Sq) marking rows of a bool keep-mask with no visible key, or None if none."""
-    if mask is None:
-        return None
-    empty = ~mask.any(dim=-1)
-    return empty if bool(empty.any()) else None
-
-
 def _sdpa_bool_masked(
     q: Tensor,
     k: Tensor,
@@ -127,10 +124,15 @@ def _sdpa_bool_masked(
     bias: Tensor | None,
     dropout_p: float,
     scale: float,
+    empty: Tensor | None = None,
 ) -> Tensor:
-    """SDPA with a (Sq, Sk) bool keep-mask and/or float bias; fully masked rows give zeros."""
-    empty = _empty_rows(keep)
-    if empty is not None:
+    """SDPA with a bool keep-mask and/or float bias; rows marked in ``empty`` give zeros.
+
+    ``keep`` is (..., Sq, Sk) and ``empty`` (..., Sq) marks its rows with no visible key (None
+    when the caller knows there are none). Nothing here reads tensor values on the host, so
+    the function traces under ``torch.compile(fullgraph=True)``.
+    """
+    if keep is not None and empty is not None:
         # Unmask empty rows so the softmax stays finite (no NaN in forward or backward),
         # then zero their output as flash-attn does.
         keep = keep | empty.unsqueeze(-1)
@@ -162,18 +164,63 @@ def _normalize_window(window_size: Sequence[int], causal: bool, seqlen_k: int) -
     return left, right
 
 
-def _keep_mask(sq: int, sk: int, left: int, right: int, device: torch.device) -> Tensor | None:
-    """Bottom-right aligned (Sq, Sk) bool keep-mask for a (left, right) window, or None."""
-    if left < 0 and right < 0:
-        return None
-    i = torch.arange(sq, device=device).unsqueeze(1) + (sk - sq)
+def _band_mask(
+    sq: int, sk: int, offset: int, left: int, right: int, device: torch.device
+) -> tuple[Tensor | None, Tensor | None]:
+    """Keep-mask for query ``i`` seeing keys ``i + offset - left <= j <= i + offset + right``.
+
+    A negative ``left``/``right`` leaves that side open. Returns ``(keep, empty)``: the (Sq, Sk)
+    bool keep-mask, None when every key is visible to every query, and the (Sq,) bool mask of
+    rows that see no key, None when there are none. Both decisions are made from the Python
+    ints alone, never from tensor values, so they are static under ``torch.compile`` (a host
+    read such as ``bool(keep.all())`` would break the graph). Needs ``sq, sk >= 1``.
+    """
+    # Row i sees keys [max(0, i + offset - left), min(sk - 1, i + offset + right)]; the last
+    # row has the largest lower bound and row 0 the smallest upper bound.
+    lower_open = left < 0 or sq - 1 + offset - left <= 0
+    upper_open = right < 0 or offset + right >= sk - 1
+    if lower_open and upper_open:
+        return None, None
+    i = torch.arange(sq, device=device).unsqueeze(1) + offset
     j = torch.arange(sk, device=device).unsqueeze(0)
-    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    keep: Tensor | None = None
+    if not lower_open:
+        keep = j >= i - left
+    if not upper_open:
+        below = j <= i + right
+        keep = below if keep is None else keep & below
+    assert keep is not None
+    # Rows [first_seen, end_seen) see at least one key: the upper bound must reach key 0 and
+    # the lower bound must stay within key sk - 1 (with both bounds set, lower <= upper).
+    first_seen = max(0, -(offset + right)) if right >= 0 else 0
+    end_seen = min(sq, sk - offset + left) if left >= 0 else sq
+    if first_seen == 0 and end_seen >= sq:
+        return keep, None
+    r = torch.arange(sq, device=device)
+    return keep, (r < first_seen) | (r >= end_seen)
+
+
+def _padded_band(
+    len_q: Tensor, len_k: Tensor, sq: int, sk: int, left: int, right: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Masks for a padded batch of sequences with their own lengths (bottom-right aligned).
+
+    Returns keep (B, 1, Sq, Sk): key ``j < len_k[b]`` inside the (left, right) window of query
+    ``i`` aligned to sequence ``b``'s lengths; empty (B, 1, Sq): rows with no visible key;
+    rel (B, 1, Sq, Sk): ``i + len_k[b] - len_q[b] - j`` (for ALiBi). All tensor ops: the
+    lengths are data, not shapes.
+    """
+    dev = len_q.device
+    i = torch.arange(sq, device=dev).view(1, sq, 1) + (len_k - len_q).view(-1, 1, 1)
+    j = torch.arange(sk, device=dev).view(1, 1, sk)
+    rel = i - j
+    keep = (j < len_k.view(-1, 1, 1)).expand(-1, sq, -1)
     if left >= 0:
-        keep &= j >= i - left
+        keep = keep & (rel <= left)
     if right >= 0:
-        keep &= j <= i + right
-    return None if bool(keep.all()) else keep
+        keep = keep & (rel >= -right)
+    keep = keep.unsqueeze(1)
+    return keep, ~keep.any(dim=-1), rel.unsqueeze(1)
 
 
 def _alibi_bias(
@@ -188,6 +235,9 @@ def _alibi_bias(
     return -slopes[:, :, None, None] * (i - j).abs()
 
 
+_BiasRows = Callable[[int, int, torch.dtype], Tensor]
+
+
 def _explicit_attention(
     q: Tensor,
     k: Tensor,
@@ -196,13 +246,15 @@ def _explicit_attention(
     scale: float,
     keep: Tensor | None,
     softcap: float,
-    alibi_slopes: Tensor | None,
+    bias_rows: _BiasRows | None,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     """Explicit softmax attention on (B, H, S, D) in float32 (float64 stays float64).
 
-    Used where SDPA cannot express the computation (softcap) or the lse is wanted. Returns
-    (out in the input dtype, float32 lse of shape (B, H, Sq) with +inf for empty rows).
+    Used where SDPA cannot express the computation (softcap) or the lse is wanted. ``keep`` is
+    a bool mask broadcastable to (B, H, Sq, Sk); ``bias_rows(r0, r1, dtype)`` gives the additive
+    bias of query rows [r0, r1), broadcastable to (B, H, r1 - r0, Sk). Returns (out in the
+    input dtype, float32 lse of shape (B, H, Sq) with +inf for empty rows).
     """
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -218,10 +270,10 @@ def _explicit_attention(
         s = torch.matmul(qc[:, :, :, r0:r1], kc).reshape(b, h, r1 - r0, sk) * scale
         if softcap > 0:
             s = torch.tanh(s / softcap) * softcap
-        if alibi_slopes is not None:
-            s = s + _alibi_bias(alibi_slopes.to(q.device), r0, r1, sq, sk, cdt)
+        if bias_rows is not None:
+            s = s + bias_rows(r0, r1, cdt)
         if keep is not None:
-            s = s.masked_fill(~keep[r0:r1], -math.inf)
+            s = s.masked_fill(~keep[..., r0:r1, :], -math.inf)
         m = s.detach().amax(dim=-1, keepdim=True)
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)
@@ -238,6 +290,45 @@ def _explicit_attention(
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
+def _masked_attention(
+    qt: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    *,
+    keep: Tensor | None,
+    empty: Tensor | None,
+    bias_rows: _BiasRows | None,
+    scale: float,
+    softcap: float,
+    dropout_p: float,
+    need_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention on (B, H, S, D) with a keep-mask, its empty rows and an optional bias.
+
+    SDPA where it can express the call, the explicit path for softcap or the lse.
+    """
+    if softcap > 0 or need_lse:
+        out, lse = _explicit_attention(
+            qt,
+            kt,
+            vt,
+            scale=scale,
+            keep=keep,
+            softcap=softcap,
+            bias_rows=bias_rows,
+            dropout_p=dropout_p,
+        )
+        return out, (lse if need_lse else None)
+    if bias_rows is None:
+        return _sdpa_bool_masked(qt, kt, vt, keep, None, dropout_p, scale, empty), None
+    # The bias is kept in float32 as flash-attn does; half inputs are upcast for the call.
+    bias = bias_rows(0, qt.shape[2], torch.float32)
+    dtype = qt.dtype
+    if dtype in _HALF_DTYPES:
+        qt, kt, vt = qt.float(), kt.float(), vt.float()
+    return _sdpa_bool_masked(qt, kt, vt, keep, bias, dropout_p, scale, empty).to(dtype), None
+
+
 def _flash_core(
     q: Tensor,
     k: Tensor,
@@ -249,8 +340,14 @@ def _flash_core(
     softcap: float,
     alibi_slopes: Tensor | None,
     need_lse: bool,
+    lens: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window."""
+    """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window.
+
+    ``lens`` = (len_q, len_k), int64 (B,) tensors, marks a padded batch: sequence ``b`` holds
+    only its first len_q[b] queries and len_k[b] keys, its mask is aligned to its own lengths
+    and the output rows past len_q[b] are meaningless.
+    """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
@@ -268,32 +365,40 @@ def _flash_core(
         lse = torch.full((b, h, sq), math.inf, dtype=torch.float32, device=q.device)
         return out, (lse if need_lse else None)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if softcap > 0 or need_lse:
-        keep = _keep_mask(sq, sk, left, right, q.device)
-        out, lse = _explicit_attention(
-            qt,
-            kt,
-            vt,
-            scale=scale,
-            keep=keep,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            dropout_p=dropout_p,
-        )
-        return out.transpose(1, 2).contiguous(), (lse if need_lse else None)
-    if alibi_slopes is None and left < 0 and right == 0 and sq == sk:
+    plain = softcap <= 0 and not need_lse and alibi_slopes is None
+    if lens is None and plain and left < 0 and right == 0 and sq == sk:
         out = _sdpa(qt, kt, vt, None, dropout_p, True, scale)
-    elif alibi_slopes is None:
-        keep = _keep_mask(sq, sk, left, right, q.device)
-        out = _sdpa_bool_masked(qt, kt, vt, keep, None, dropout_p, scale)
+        return out.transpose(1, 2).contiguous(), None
+    bias_rows: _BiasRows | None = None
+    if lens is None:
+        keep, empty = _band_mask(sq, sk, sk - sq, left, right, q.device)
+        if alibi_slopes is not None:
+            slopes = alibi_slopes.to(q.device)
+
+            def bias_rows(r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+                return _alibi_bias(slopes, r0, r1, sq, sk, dtype)
+
     else:
-        # The bias is kept in float32 as flash-attn does; half inputs are upcast for the call.
-        keep = _keep_mask(sq, sk, left, right, q.device)
-        bias = _alibi_bias(alibi_slopes.to(q.device), 0, sq, sq, sk, torch.float32)
-        if q.dtype in _HALF_DTYPES:
-            qt, kt, vt = qt.float(), kt.float(), vt.float()
-        out = _sdpa_bool_masked(qt, kt, vt, keep, bias, dropout_p, scale).to(q.dtype)
-    return out.transpose(1, 2).contiguous(), None
+        keep, empty, rel = _padded_band(lens[0], lens[1], sq, sk, left, right)
+        if alibi_slopes is not None:
+            slopes4 = alibi_slopes.to(q.device).reshape(-1, h, 1, 1)
+
+            def bias_rows(r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+                return -slopes4.to(dtype) * rel[..., r0:r1, :].abs().to(dtype)
+
+    out, lse = _masked_attention(
+        qt,
+        kt,
+        vt,
+        keep=keep,
+        empty=empty,
+        bias_rows=bias_rows,
+        scale=scale,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        need_lse=need_lse,
+    )
+    return out.transpose(1, 2).contiguous(), lse
 
 
 def _check_alibi(alibi_slopes: Tensor | None, batch: int, nheads: int) -> None:
@@ -470,6 +575,88 @@ def _run_segments(
     return out, (torch.cat(lse_parts, dim=1) if lse_parts else _pad_lse(0))
 
 
+def _compiling() -> bool:
+    """True while torch.compile traces (a static fact within one trace)."""
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def _seqlen_bound(value: int | Tensor, bound: int) -> int:
+    """``max_seqlen`` as an int; under compile a tensor (a data value) becomes ``bound``.
+
+    A bound at least the true maximum pads and masks the same; only a sliding window over a
+    sequence with more queries than keys can differ, as flash-attn normalises windows against
+    the exact ``max_seqlen_k``.
+    """
+    if isinstance(value, torch.Tensor) and _compiling():
+        return bound
+    return int(value)
+
+
+def _varlen_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor,
+    cu_k: Tensor,
+    max_q: int | Tensor,
+    max_k: int | Tensor,
+    block_table: Tensor | None,
+    window_size: tuple[int, int],
+    causal: bool,
+    **core: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """Varlen attention that never reads ``cu_seqlens`` on the host, for torch.compile.
+
+    The eager path splits the packed tensors at the ``cu_seqlens`` values, which are data:
+    under torch.compile each read is a graph break (an error with ``fullgraph=True``). Here
+    every sequence is gathered into a (nseq, max_seqlen, ...) padded batch with index tensors,
+    attended with per-sequence masks and gathered back, so only shapes decide the graph. As in
+    flash-attn, ``max_seqlen_q/k`` must bound the lengths (longer sequences are cut there; a
+    tensor ``max_seqlen`` is replaced by the packed length). Cost is O(nseq * max_q * max_k)
+    like a padded batch, where the eager path pays only for the real lengths.
+    """
+    total_q, h = q.shape[0], q.shape[1]
+    nseq = cu_q.shape[0] - 1
+    dev = q.device
+    cu_q = cu_q.to(device=dev, dtype=torch.long)
+    cu_k = cu_k.to(device=dev, dtype=torch.long)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    mq = min(_seqlen_bound(max_q, total_q), total_q)
+    if nseq <= 0 or mq <= 0:
+        out = q.new_zeros(total_q, h, v.shape[-1])
+        lse = torch.full((h, total_q), math.inf, dtype=torch.float32, device=dev)
+        return out, (lse if core["need_lse"] else None)
+    pos_q = torch.arange(mq, device=dev)
+    qp = q[(cu_q[:-1, None] + pos_q).clamp(0, total_q - 1)]
+    if block_table is None:
+        total_k = k.shape[0]
+        seqlen_k = _seqlen_bound(max_k, total_k)
+        mk = min(seqlen_k, total_k)
+        idx_k = (cu_k[:-1, None] + torch.arange(mk, device=dev)).clamp(0, max(total_k - 1, 0))
+        kp, vp = k[idx_k], v[idx_k]
+    else:
+        table = block_table.to(device=k.device, dtype=torch.long)
+        kp, vp = k[table].flatten(1, 2), v[table].flatten(1, 2)
+        seqlen_k = _seqlen_bound(max_k, kp.shape[1])
+        mk = min(seqlen_k, kp.shape[1])
+        kp, vp = kp[:, :mk], vp[:, :mk]
+    window = _normalize_window(window_size, causal, seqlen_k)
+    out_p, lse_p = _flash_core(qp, kp, vp, window=window, lens=(len_q, len_k), **core)
+    # Packed token t belongs to the last sequence starting at or before it; tokens before the
+    # first or after the last sequence (or past max_seqlen_q) give zeros, lse +inf.
+    t = torch.arange(total_q, device=dev)
+    seg = torch.searchsorted(cu_q, t, right=True) - 1
+    seg_c = seg.clamp(0, nseq - 1)
+    pos = t - cu_q[seg_c]
+    valid = (seg >= 0) & (seg < nseq) & (pos < mq)
+    pos_c = pos.clamp(0, mq - 1)
+    out = torch.where(valid[:, None, None], out_p[seg_c, pos_c], 0.0)
+    if lse_p is None:
+        return out, None
+    return out, torch.where(valid, lse_p[seg_c, :, pos_c].transpose(0, 1), math.inf)
+
+
 def flash_attn_varlen_func(
     q: Tensor,
     k: Tensor,
@@ -488,29 +675,84 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: Tensor | None = None,
 ) -> FlashResult:
-    """SDPA stand-in for ``flash_attn.flash_attn_varlen_func`` (flash-attn 2.x)."""
+    """SDPA stand-in for ``flash_attn.flash_attn_varlen_func`` (flash-attn 2.x).
+
+    Eager calls attend each sequence on its own (batching sequences of equal lengths); under
+    torch.compile a padded-batch formulation keeps the graph whole (see ``_varlen_padded``).
+    """
     if q.dim() != 3:
         raise ValueError("flash_attn_varlen_func expects q of shape (total_q, nheads, headdim)")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    nseq = cu_seqlens_q.shape[0] - 1
+    _check_alibi(alibi_slopes, nseq, q.shape[1])
+    if block_table is None and k.dim() != 3:
+        raise ValueError("k/v must have shape (total_k, nheads_k, headdim)")
+    if block_table is not None and k.dim() != 4:
+        raise ValueError("paged k/v must have shape (num_blocks, block_size, nheads_k, dim)")
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    core: dict[str, Any] = {
+        "dropout_p": dropout_p,
+        "softmax_scale": scale,
+        "softcap": softcap,
+        "need_lse": return_attn_probs,
+    }
+
+    if _compiling():
+        out, lse = _varlen_padded(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            block_table,
+            window_size,
+            causal,
+            alibi_slopes=alibi_slopes,
+            **core,
+        )
+    else:
+        out, lse = _varlen_segments(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            block_table,
+            _normalize_window(window_size, causal, int(max_seqlen_k)),
+            alibi_slopes,
+            core,
+        )
+    if return_attn_probs:
+        assert lse is not None
+        return out, lse, None
+    return out
+
+
+def _varlen_segments(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    block_table: Tensor | None,
+    window: tuple[int, int],
+    alibi_slopes: Tensor | None,
+    core: dict[str, Any],
+) -> tuple[Tensor, Tensor | None]:
+    """Eager varlen: read ``cu_seqlens`` on the host and attend each sequence on its own."""
     cu_q = [int(x) for x in cu_seqlens_q.tolist()]
     cu_k = [int(x) for x in cu_seqlens_k.tolist()]
-    if len(cu_q) != len(cu_k):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
-    nseq = len(cu_q) - 1
-    _check_alibi(alibi_slopes, nseq, q.shape[1])
-    k_lens = [cu_k[i + 1] - cu_k[i] for i in range(nseq)]
-    window = _normalize_window(window_size, causal, int(max_seqlen_k))
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    k_lens = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_q) - 1)]
 
     if block_table is None:
-        if k.dim() != 3:
-            raise ValueError("k/v must have shape (total_k, nheads_k, headdim)")
 
         def get_kv(i: int) -> tuple[Tensor, Tensor]:
             return k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
 
     else:
-        if k.dim() != 4:
-            raise ValueError("paged k/v must have shape (num_blocks, block_size, nheads_k, dim)")
         table = block_table.to(device=k.device, dtype=torch.long)
 
         def get_kv(i: int) -> tuple[Tensor, Tensor]:
@@ -522,23 +764,9 @@ def flash_attn_varlen_func(
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[torch.tensor(idx, device=slopes.device)]
-        return _flash_core(
-            qb,
-            kb,
-            vb,
-            dropout_p=dropout_p,
-            softmax_scale=scale,
-            window=window,
-            softcap=softcap,
-            alibi_slopes=slopes,
-            need_lse=return_attn_probs,
-        )
+        return _flash_core(qb, kb, vb, window=window, alibi_slopes=slopes, **core)
 
-    out, lse = _run_segments(q, cu_q, k_lens, get_kv, attend, return_attn_probs)
-    if return_attn_probs:
-        assert lse is not None
-        return out, lse, None
-    return out
+    return _run_segments(q, cu_q, k_lens, get_kv, attend, core["need_lse"])
 
 
 FLASH_FUNCTIONS: dict[str, Callable[..., Any]] = {
@@ -560,20 +788,13 @@ _BLOCK_DIAGONAL_KINDS = {
 }
 
 
-def _causal_keep(sq: int, sk: int, offset: int, device: torch.device) -> Tensor | None:
-    """(Sq, Sk) bool keep-mask ``j <= i + offset``, or None if nothing is masked."""
-    i = torch.arange(sq, device=device).unsqueeze(1)
-    j = torch.arange(sk, device=device).unsqueeze(0)
-    keep = j <= i + offset
-    return None if bool(keep.all()) else keep
-
-
 def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, offset: int, p: float, scale: float) -> Tensor:
     """Causal SDPA on (B, H, S, D), query i seeing keys j <= i + offset."""
     sq, sk = q.shape[2], k.shape[2]
     if offset == 0 and sq == sk:
         return _sdpa(q, k, v, None, p, True, scale)
-    return _sdpa_bool_masked(q, k, v, _causal_keep(sq, sk, offset, q.device), None, p, scale)
+    keep, empty = _band_mask(sq, sk, offset, -1, 0, q.device)
+    return _sdpa_bool_masked(q, k, v, keep, None, p, scale, empty)
 
 
 def _xf_block_diagonal(
@@ -706,12 +927,12 @@ def xformers_memory_efficient_attention(
         out = _xf_block_diagonal(q4, k4, v4, attn_bias, kind, p, sc)
     else:
         mask = _xf_materialize(attn_bias, ndim, b, g, h, mq, mk, query)
-        empty = _empty_rows(~torch.isneginf(mask))
-        if empty is not None:
-            mask = mask.masked_fill(empty.unsqueeze(-1), 0.0)
-        out = _sdpa(qt, kt, vt, mask, p, False, sc)
-        if empty is not None:
-            out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+        # Rows the bias masks entirely give zeros: unmask them for a finite softmax, then zero
+        # their output. Done unconditionally with tensor ops (the rows depend on the bias's
+        # values, and a host-side check would break torch.compile graphs).
+        empty = torch.isneginf(mask).all(dim=-1, keepdim=True)
+        mask = mask.masked_fill(empty, 0.0)
+        out = _sdpa(qt, kt, vt, mask, p, False, sc).masked_fill(empty, 0.0)
         out = out.transpose(1, 2)
 
     if ndim == 3:

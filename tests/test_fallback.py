@@ -723,3 +723,271 @@ def test_xformers_block_diagonal_5d_gqa():
     for gi in range(g):
         ref = xf_ref(q[:, :, gi], k[:, :, gi], v[:, :, gi], keep=keep)
         check(out[:, :, gi], ref, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile: no graph breaks (a compiled model whose flash_attn / xformers call is carried
+# by these stand-ins must also compile with fullgraph=True, where a break is an error)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dynamo_reset():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compile_whole(fn, *args):
+    """Assert ``fn(*args)`` traces as one graph; return (compiled result, eager result).
+
+    ``explain`` counts the breaks; ``fullgraph=True`` also catches data-dependent guards that
+    explain may not count. The "eager" backend keeps it fast: Dynamo still captures the whole
+    graph, only code generation is skipped, so compiled and eager run the same kernels.
+    """
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(*args)
+    reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
+    assert explanation.graph_break_count == 0, reasons
+    assert explanation.graph_count == 1
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    return compiled(*args), fn(*args)
+
+
+def assert_same(got, want):
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if w is None:
+            assert g is None
+            continue
+        assert not torch.isnan(g).any()
+        assert torch.equal(g, w)
+
+
+def _flash_call(**kwargs):
+    def fn(q, k, v):
+        return flash_attn_func(q, k, v, **kwargs)
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("sq", "sk", "hk", "kwargs"),
+    [
+        (3, 8, 4, {"causal": True}),  # decode with a KV cache: bottom-right causal mask
+        (1, 8, 4, {"causal": True}),  # single-token decode: nothing masked
+        (8, 8, 4, {"causal": True, "window_size": (3, -1)}),  # sliding window
+        (3, 8, 4, {"window_size": (2, 1)}),
+        (3, 8, 2, {"causal": True}),  # GQA
+        (3, 8, 1, {"causal": True, "window_size": (4, 0)}),  # MQA + window
+        (6, 3, 4, {"causal": True}),  # Sq > Sk: fully masked rows give zeros
+        (6, 3, 2, {"causal": True, "return_attn_probs": True}),  # ... and lse +inf
+        (3, 8, 4, {"causal": True, "alibi_slopes": torch.tensor([0.3, 0.1, 0.2, 0.05])}),
+        (3, 8, 2, {"causal": True, "softcap": 5.0, "window_size": (2, 0)}),
+    ],
+)
+def test_compile_flash_func_no_graph_break(dynamo_reset, sq, sk, hk, kwargs):
+    q = rand(2, sq, 4, 16, seed=300)
+    k = rand(2, sk, hk, 16, seed=301)
+    v = rand(2, sk, hk, 16, seed=302)
+    got, want = compile_whole(_flash_call(**kwargs), q, k, v)
+    assert_same(got, want)
+    out = want[0] if isinstance(want, tuple) else want
+    keep = flash_keep(sq, sk, kwargs.get("causal", False), kwargs.get("window_size", (-1, -1)))
+    empty = ~keep.any(dim=-1)
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    if kwargs.get("return_attn_probs"):
+        assert torch.isposinf(want[1][:, :, empty]).all()
+
+
+def test_compile_flash_empty_rows_backward_has_no_nan(dynamo_reset):
+    q = rand(1, 6, 4, 8, seed=310).requires_grad_()
+    k = rand(1, 3, 2, 8, seed=311).requires_grad_()
+    v = rand(1, 3, 2, 8, seed=312).requires_grad_()
+    compiled = torch.compile(_flash_call(causal=True), backend="aot_eager", fullgraph=True)
+    grads = torch.autograd.grad(compiled(q, k, v).square().sum(), (q, k, v))
+    want = torch.autograd.grad(flash_attn_func(q, k, v, causal=True).square().sum(), (q, k, v))
+    for g, w in zip(grads, want, strict=True):
+        assert not torch.isnan(g).any()
+        torch.testing.assert_close(g, w)
+
+
+def _varlen_call(**kwargs):
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k):
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    return fn
+
+
+# Eager varlen splits the packed tensors at the cu_seqlens values: those are data, and reading
+# them on the host is a graph break under torch.compile. The compiled trace instead gathers the
+# sequences into a padded batch with index tensors (shapes from max_seqlen) and masks it per
+# sequence, so it is one graph; it groups the arithmetic differently from the eager segments,
+# hence assert_close rather than equality.
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "kwargs"),
+    [
+        ([5, 9, 3], None, {"causal": True}),
+        ([2, 4, 1], [6, 4, 5], {"causal": True, "window_size": (2, -1)}),
+        ([4, 0, 3], [2, 3, 0], {"causal": True, "return_attn_probs": True}),  # empty rows/seqs
+        ([2, 4, 1], [6, 4, 5], {"alibi_slopes": torch.rand(3, 4), "return_attn_probs": True}),
+    ],
+)
+def test_compile_flash_varlen_no_graph_break(dynamo_reset, lens_q, lens_k, kwargs):
+    lens_k = lens_k or lens_q
+    q = rand(sum(lens_q), 4, 8, seed=320)
+    k = rand(sum(lens_k), 2, 8, seed=321)
+    v = rand(sum(lens_k), 2, 8, seed=322)
+    args = (q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+    got, want = compile_whole(_varlen_call(**kwargs), *args)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got[:2], want[:2], strict=False):
+        assert not torch.isnan(g).any()
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+
+
+def test_compile_flash_varlen_paged_and_tensor_max_seqlen(dynamo_reset):
+    lens, page, h, d = [5, 3], 4, 2, 8
+    q = rand(sum(lens), h, d, seed=330)
+    k_cache, v_cache = rand(4, page, h, d, seed=331), rand(4, page, h, d, seed=332)
+    table = torch.tensor([[3, 0], [2, 1]], dtype=torch.int32)
+    cu = _cu(lens)
+    got, want = compile_whole(
+        _varlen_call(causal=True, block_table=table), q, k_cache, v_cache, cu, cu, 5, 5
+    )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # max_seqlen given as a tensor (as some transformers versions pass it): not readable in the
+    # graph, so the packed length bounds the padding; same result.
+    k, v = rand(sum(lens), h, d, seed=333), rand(sum(lens), h, d, seed=334)
+    mx = torch.tensor(max(lens))
+    fn = _varlen_call(causal=True, window_size=(2, -1))
+    got, want = compile_whole(fn, q, k, v, cu, cu, mx, mx)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_flash_varlen_padded_path_matches_reference(monkeypatch):
+    """The compile-time varlen formulation, run eagerly, against the float64 reference."""
+    import attnguard.fallback as fb
+
+    monkeypatch.setattr(fb, "_compiling", lambda: True)
+    test_flash_varlen_different_q_k_lengths_alibi_window_lse()
+    test_flash_varlen_paged_block_table()
+    # tokens before the first and after the last sequence give zeros and lse +inf
+    q, k, v = rand(12, 2, 8, seed=340), rand(12, 2, 8, seed=341), rand(12, 2, 8, seed=342)
+    cu = torch.tensor([2, 5, 9], dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True, return_attn_probs=True)
+    outside = torch.tensor([t < 2 or t >= 9 for t in range(12)])
+    assert torch.equal(out[outside], torch.zeros_like(out[outside]))
+    assert torch.isposinf(lse[:, outside]).all()
+    monkeypatch.setattr(fb, "_compiling", lambda: False)
+    eager_out, eager_lse, _ = flash_attn_varlen_func(
+        q, k, v, cu, cu, 4, 4, causal=True, return_attn_probs=True
+    )
+    torch.testing.assert_close(out, eager_out)
+    torch.testing.assert_close(lse, eager_lse)
+
+
+def _xf_call(bias):
+    def fn(q, k, v):
+        return xformers_memory_efficient_attention(q, k, v, attn_bias=bias)
+
+    return fn
+
+
+def test_compile_xformers_tensor_bias_no_graph_break(dynamo_reset):
+    q, k, v = rand(2, 5, 3, 16, seed=350), rand(2, 7, 3, 16, seed=351), rand(2, 7, 3, 16, seed=352)
+    bias = rand(2, 3, 5, 7, seed=353)
+
+    def fn(q, k, v, bias):
+        return xformers_memory_efficient_attention(q, k, v, attn_bias=bias)
+
+    assert_same(*compile_whole(fn, q, k, v, bias))
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "mq", "mk"),
+    [
+        ("LowerTriangularMask", 3, 7),
+        ("LowerTriangularMask", 7, 7),
+        ("LowerTriangularFromBottomRightMask", 3, 7),
+        ("LowerTriangularFromBottomRightMask", 7, 3),  # rows with no key give zeros
+    ],
+)
+def test_compile_xformers_lower_triangular_no_graph_break(dynamo_reset, cls_name, mq, mk):
+    ab = _xf_bias_mod()
+    q, k, v = (
+        rand(2, mq, 3, 16, seed=360),
+        rand(2, mk, 3, 16, seed=361),
+        rand(2, mk, 3, 16, seed=362),
+    )
+    assert_same(*compile_whole(_xf_call(getattr(ab, cls_name)()), q, k, v))
+
+
+@pytest.mark.parametrize(
+    ("cls_name", "k_lens"),
+    [
+        ("BlockDiagonalMask", None),
+        ("BlockDiagonalCausalMask", None),
+        ("BlockDiagonalCausalFromBottomRightMask", [5, 6, 3]),
+    ],
+)
+def test_compile_xformers_block_diagonal_no_graph_break(dynamo_reset, cls_name, k_lens):
+    ab = _xf_bias_mod()
+    q_lens = [3, 5, 2]
+    bias = getattr(ab, cls_name).from_seqlens(q_lens, k_lens)
+    mk = sum(k_lens or q_lens)
+    q, k, v = (
+        rand(1, 10, 2, 16, seed=370),
+        rand(1, mk, 2, 16, seed=371),
+        rand(1, mk, 2, 16, seed=372),
+    )
+
+    def fn(q, k, v, bias):  # the bias as an argument, as a model would pass it
+        return xformers_memory_efficient_attention(q, k, v, attn_bias=bias)
+
+    assert_same(*compile_whole(fn, q, k, v, bias))
+
+
+def test_compile_xformers_materialized_bias_no_graph_break(dynamo_reset):
+    ab = _xf_bias_mod()
+    b, mq, mk, h = 1, 6, 4, 2
+    extra = rand(b, h, mq, mk, seed=380)
+    extra[:, :, 1] = float("-inf")  # a row the bias masks entirely: zeros, no NaN
+    bias = ab.LowerTriangularMaskWithTensorBias(extra)
+    q, k, v = rand(b, mq, h, 8, seed=381), rand(b, mk, h, 8, seed=382), rand(b, mk, h, 8, seed=383)
+    got, want = compile_whole(_xf_call(bias), q, k, v)
+    assert_same(got, want)
+    assert torch.equal(want[:, 1], torch.zeros_like(want[:, 1]))
+
+
+def test_band_mask_decisions_are_static_and_exact():
+    """keep/empty are decided from ints; check them against masks built element by element."""
+    import attnguard.fallback as fb
+
+    for sq, sk in [(1, 1), (1, 4), (3, 5), (5, 3), (4, 4)]:
+        for offset in range(-6, 7):
+            for left in (-1, 0, 1, 3, 7):
+                for right in (-1, 0, 1, 3, 7):
+                    keep, empty = fb._band_mask(sq, sk, offset, left, right, torch.device("cpu"))
+                    want = torch.tensor(
+                        [
+                            [
+                                (left < 0 or j >= i + offset - left)
+                                and (right < 0 or j <= i + offset + right)
+                                for j in range(sk)
+                            ]
+                            for i in range(sq)
+                        ]
+                    )
+                    case = (sq, sk, offset, left, right)
+                    if keep is None:
+                        assert want.all(), case
+                    else:
+                        assert torch.equal(keep, want), case
+                    if empty is None:
+                        assert want.any(dim=-1).all(), case
+                    else:
+                        assert torch.equal(empty, ~want.any(dim=-1)), case
