@@ -6,7 +6,7 @@
 #   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 pin=()
 [ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
 "$PY" -m pip install -q "torch==2.13.0" "${pin[@]}" -e ".[test]"
