@@ -32,17 +32,17 @@ def is_active() -> bool:
     return _active
 
 
-def integrations() -> dict[str, Any]:
-    """integration name -> its patch module (importing these imports torch)."""
-    from .patches import INTEGRATIONS
-
-    return {name: importlib.import_module(mod) for name, (mod, _) in INTEGRATIONS.items()}
-
-
 def _patch_module(name: str) -> Any:
     from .patches import INTEGRATIONS
 
     return importlib.import_module(INTEGRATIONS[name][0])
+
+
+def integrations() -> dict[str, Any]:
+    """integration name -> its patch module (importing these imports torch)."""
+    from .patches import INTEGRATIONS
+
+    return {name: _patch_module(name) for name in INTEGRATIONS}
 
 
 def _on_import(name: str, module: Any) -> None:

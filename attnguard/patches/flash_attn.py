@@ -17,7 +17,6 @@ from typing import Any
 from .. import callguard
 from ..patching import Ledger
 
-TARGET_MODULE = "flash_attn"
 ledger = Ledger("flash_attn")
 
 

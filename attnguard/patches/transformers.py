@@ -10,8 +10,6 @@ from types import ModuleType
 
 from . import transformers_attention, transformers_loading
 
-TARGET_MODULE = "transformers.modeling_utils"
-
 
 def patch(modeling_utils: ModuleType) -> None:
     transformers_loading.patch(modeling_utils)

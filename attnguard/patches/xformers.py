@@ -15,7 +15,6 @@ from typing import Any
 from .. import callguard
 from ..patching import Ledger
 
-TARGET_MODULE = "xformers.ops"
 ledger = Ledger("xformers")
 SITE = "xformers.memory_efficient_attention"
 
