@@ -1,7 +1,7 @@
 """The patch ledger and the fail-open call helper shared by every integration.
 
-A :class:`Ledger` records (owner, attribute, original, wrapper) for each patch and undoes only what
-is still ours: if someone patched the same attribute after us, we leave their object in place
+A :class:`Ledger` records (owner, attribute or dict key, original, wrapper) for each patch and
+undoes only what is still ours: if someone patched the same attribute after us, we leave their object in place
 rather than clobbering it.
 
 :func:`fail_open` runs a guard around an original callable: an error raised by attnguard's own code
@@ -26,10 +26,27 @@ _MISSING = object()
 
 @dataclass
 class PatchRecord:
-    owner: Any
+    owner: Any  # an object whose attribute we replaced, or a dict whose item we replaced
     attr: str
-    original: Any  # what owner.__dict__ held (descriptor for classmethods), or _MISSING
+    original: Any  # what owner.__dict__ (or the dict) held, e.g. a classmethod; or _MISSING
     wrapper: Any
+    item: bool = False  # owner[attr] rather than owner.attr
+
+    def current(self) -> Any:
+        """What the owner holds now (``_MISSING`` when nothing)."""
+        held = self.owner if self.item else vars(self.owner)
+        return held.get(self.attr, _MISSING)
+
+    def restore(self) -> None:
+        if self.item:
+            if self.original is _MISSING:
+                del self.owner[self.attr]
+            else:
+                self.owner[self.attr] = self.original
+        elif self.original is _MISSING:
+            delattr(self.owner, self.attr)
+        else:
+            setattr(self.owner, self.attr, self.original)
 
 
 class Ledger:
@@ -56,8 +73,21 @@ class Ledger:
             self.records.append(PatchRecord(owner, attr, own, wrapper))
             return wrapper
 
-    def is_patched(self, owner: Any, attr: str) -> bool:
-        return any(r.owner is owner and r.attr == attr for r in self.records)
+    def patch_item(self, mapping: dict[str, Any], key: str, make: Callable[[Any], Any]) -> Any:
+        """Replace ``mapping[key]`` with ``make(original)`` (registries kept in dicts).
+
+        A key whose wrapper someone replaced since gets a new record: at unpatch the newer one
+        restores their object and the older one, no longer in place, is skipped.
+        """
+        with self._lock:
+            for r in self.records:
+                if r.item and r.owner is mapping and r.attr == key and r.current() is r.wrapper:
+                    return r.wrapper
+            original = mapping[key]
+            wrapper = make(original)
+            mapping[key] = wrapper
+            self.records.append(PatchRecord(mapping, key, original, wrapper, item=True))
+            return wrapper
 
     def unpatch_all(self) -> list[PatchRecord]:
         """Restore originals in reverse order; skip attributes someone else replaced since.
@@ -67,14 +97,10 @@ class Ledger:
         skipped: list[PatchRecord] = []
         with self._lock:
             for rec in reversed(self.records):
-                current = vars(rec.owner).get(rec.attr, _MISSING)
-                if current is not rec.wrapper:
+                if rec.current() is not rec.wrapper:
                     skipped.append(rec)
                     continue
-                if rec.original is _MISSING:
-                    delattr(rec.owner, rec.attr)
-                else:
-                    setattr(rec.owner, rec.attr, rec.original)
+                rec.restore()
             self.records.clear()
         return skipped
 

@@ -113,3 +113,31 @@ def test_a_failed_recovery_still_shows_the_users_the_original_error(guard, captu
     assert [e["reason_code"] for e in captured if e["event"] == "internal_error"] == [
         "ZeroDivisionError"
     ]
+
+
+def test_dict_items_are_patched_and_restored_like_attributes() -> None:
+    registry = {"sdpa": lambda: "sdpa", "flash": lambda: "flash"}
+    orig = dict(registry)
+    ledger = Ledger("t")
+    ledger.patch_item(registry, "sdpa", lambda o: lambda: "guarded " + o())
+    again = ledger.patch_item(registry, "sdpa", lambda o: lambda: "twice " + o())
+    assert registry["sdpa"]() == "guarded sdpa" and again is registry["sdpa"]
+
+    def theirs() -> str:
+        return "theirs"
+
+    registry["flash"] = theirs  # someone registers their own after us...
+    ledger.patch_item(registry, "flash", lambda o: lambda: "guarded " + o())
+    assert registry["flash"]() == "guarded theirs"
+    assert ledger.unpatch_all() == []
+    # ...and gets theirs back; the untouched entry gets its very original
+    assert registry["flash"] is theirs and registry["sdpa"] is orig["sdpa"]
+
+
+def test_a_replaced_dict_item_is_left_alone() -> None:
+    registry = {"sdpa": lambda: "sdpa"}
+    ledger = Ledger("t")
+    ledger.patch_item(registry, "sdpa", lambda o: lambda: "ours")
+    registry["sdpa"] = replacement = lambda: "theirs"  # noqa: E731
+    assert [r.attr for r in ledger.unpatch_all()] == ["sdpa"]
+    assert registry["sdpa"] is replacement

@@ -12,18 +12,14 @@ someone replaced our entry since.
 from __future__ import annotations
 
 import functools
-import threading
 from types import ModuleType
 from typing import Any
 
 from .. import callguard
 from ..patching import Ledger
 
+# the registry's dict entries and AttentionInterface.register
 ledger = Ledger("transformers_attention")
-
-# (mapping, key, original, wrapper) for each registry entry we replaced
-_entries: list[tuple[dict[str, Any], str, Any, Any]] = []
-_lock = threading.Lock()
 
 
 def registry_mapping(modeling_utils: ModuleType) -> dict[str, Any] | None:
@@ -44,9 +40,7 @@ def _guard_entry(mapping: dict[str, Any], key: str) -> None:
     fn = mapping.get(key)
     if not callable(fn) or _is_guarded(fn):
         return
-    wrapper = callguard.wrap_registry_entry(key, fn)
-    mapping[key] = wrapper
-    _entries.append((mapping, key, fn, wrapper))
+    ledger.patch_item(mapping, key, lambda original: callguard.wrap_registry_entry(key, original))
 
 
 def patch(modeling_utils: ModuleType) -> None:
@@ -54,9 +48,8 @@ def patch(modeling_utils: ModuleType) -> None:
     mapping = registry_mapping(modeling_utils)
     if mapping is None:
         return
-    with _lock:
-        for key in list(mapping):
-            _guard_entry(mapping, key)
+    for key in list(mapping):
+        _guard_entry(mapping, key)
     interface = getattr(modeling_utils, "AttentionInterface", None)
     if interface is not None and hasattr(interface, "register"):
         ledger.patch(interface, "register", _make_register)
@@ -72,8 +65,7 @@ def _make_register(original: Any) -> Any:
         try:
             mapping = getattr(cls, "_global_mapping", None)
             if isinstance(mapping, dict) and mapping.get(key) is value:
-                with _lock:
-                    _guard_entry(mapping, key)
+                _guard_entry(mapping, key)
         except Exception as exc:  # never break a registration
             from ..patching import report_internal_error
 
@@ -86,9 +78,4 @@ def _make_register(original: Any) -> Any:
 def unpatch() -> None:
     """Restore every original entry that still holds our wrapper; unwrap ``register``."""
     ledger.unpatch_all()
-    with _lock:
-        for mapping, key, original, wrapper in reversed(_entries):
-            if mapping.get(key) is wrapper:
-                mapping[key] = original
-        _entries.clear()
     callguard.reset_latches()
