@@ -71,6 +71,25 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 PY = sys.executable
 
+# Every event's fixed fields, in order: the schema as users read it (spelled out, not imported
+# from attnguard, so a change there has to change this too).
+FIXED = [
+    "schema",
+    "event",
+    "level",
+    "ts",
+    "pid",
+    "host",
+    "rank",
+    "local_rank",
+    "world_size",
+    "mode",
+    "site",
+    "reason_code",
+    "reason",
+    "count",
+]
+
 
 # --- tiny real transformers models (load-time guard tests) ---------------------------------------
 

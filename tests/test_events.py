@@ -10,27 +10,10 @@ from pathlib import Path
 
 import pytest
 import structlog
-from conftest import PY, subprocess_env
+from conftest import FIXED, PY, subprocess_env
 
 import attnguard
 from attnguard import events
-
-FIXED = [
-    "schema",
-    "event",
-    "level",
-    "ts",
-    "pid",
-    "host",
-    "rank",
-    "local_rank",
-    "world_size",
-    "mode",
-    "site",
-    "reason_code",
-    "reason",
-    "count",
-]
 
 
 def test_every_event_carries_the_fixed_fields(guard, captured) -> None:

@@ -20,28 +20,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import REPO
+from conftest import FIXED, REPO
 
 import attnguard
 from attnguard import events, summary
 from attnguard.patching import report_internal_error
 
-FIXED = [
-    "schema",
-    "event",
-    "level",
-    "ts",
-    "pid",
-    "host",
-    "rank",
-    "local_rank",
-    "world_size",
-    "mode",
-    "site",
-    "reason_code",
-    "reason",
-    "count",
-]
 DOC = REPO / "docs" / "observability.md"
 
 
