@@ -54,32 +54,62 @@ def tiny_llama_dir(tmp_path_factory):
     return path
 
 
-def _load(path, impl="sdpa"):
-    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
-    model.config._attn_implementation = impl  # see test_registry_guard._as_flash
-    return model
+def _load(path, impl="sdpa", dtype=torch.float32):
+    # flash attention cannot run here: with the guard a flash load keeps transformers' flash code
+    # path, its kernel calls computed by the SDPA twins (bf16: transformers' flash path itself
+    # logs a warning for float32 inputs, and a log call is a graph break of its own)
+    return LlamaForCausalLM.from_pretrained(
+        path, attn_implementation=impl, torch_dtype=dtype
+    ).eval()
 
 
 def _registry():
     return transformers_attention.registry_mapping(modeling_utils)
 
 
+def _break_sites(explained) -> list[str]:
+    """Where each graph break happened: the innermost frame of its user stack."""
+    sites = []
+    for reason in explained.break_reasons:
+        frame = reason.user_stack[-1] if reason.user_stack else None
+        sites.append(f"{frame.filename}:{frame.lineno}" if frame else reason.reason)
+    return sites
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
 def test_no_graph_breaks_with_the_guard(guard, tiny_llama_dir, impl):
     assert _registry()[impl].__attnguard_original__ is not None
-    model = _load(tiny_llama_dir, impl)
+    model = _load(tiny_llama_dir, impl, BF16)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), events.capture() as seen:
+        model(input_ids=ids)  # eager first: what the load and the first call have to say
         explained = torch._dynamo.explain(model)(input_ids=ids)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    assert explained.graph_count == 1
-    assert seen == []  # nothing is emitted from traced code
+    sites = _break_sites(explained)
+    # The guard adds no break of its own. Transformers' flash path itself branches on data on
+    # older releases (4.49-4.5x: "is position_ids packed?" in _flash_attention_forward); the
+    # real flash-attn kernel meets that same break, so it is not the guard's to remove.
+    assert [s for s in sites if "/attnguard/" in s] == []
+    assert all("modeling_flash_attention_utils.py" in s for s in sites), sites
+    if impl == "sdpa" or _flash_path_compiles_whole():
+        assert sites == []
+        assert explained.graph_count == 1
+    assert [e for e in seen if e["event"] not in ("backend_fallback",)] == []
     torch._dynamo.reset()
-    plain = _load(tiny_llama_dir, "sdpa")
-    with torch.no_grad():
-        compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids).logits
+    plain = _load(tiny_llama_dir, "sdpa", BF16)
+    with torch.no_grad(), events.capture() as seen:
+        compiled = torch.compile(model, fullgraph=not sites, backend="eager")(input_ids=ids).logits
         want = plain(input_ids=ids).logits
-    torch.testing.assert_close(compiled, want, atol=1e-5, rtol=1e-5)
+    assert seen == []  # nothing is emitted from traced code
+    torch.testing.assert_close(compiled, want, atol=2e-2, rtol=2e-2)
+
+
+def _flash_path_compiles_whole() -> bool:
+    """Whether this transformers' flash code path has no data-dependent branch of its own."""
+    import inspect
+
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    return "query_length != 1 and not (torch.diff(position_ids" not in inspect.getsource(fa_utils)
 
 
 def test_dtype_fix_is_inside_the_graph(guard):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import attnguard
-from attnguard import callguard, events
+from attnguard import callguard, events, routing
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -103,6 +103,7 @@ def test_standin_enforces_the_real_contract(flash_standin):
     assert __import__("importlib").metadata.version("flash_attn") == "2.8.3"
 
 
+@pytest.mark.smoke
 def test_from_imports_bind_the_guarded_functions(flash_standin):
     from flash_attn import flash_attn_func, flash_attn_varlen_func
     from flash_attn.flash_attn_interface import flash_attn_func as from_interface
@@ -138,6 +139,7 @@ def test_patched_at_import_in_a_fresh_process():
     assert out.stdout.split() == ["True", "True"]
 
 
+@pytest.mark.smoke
 def test_flash_attn_func_mixed_dtypes_on_cpu(flash_standin):
     from flash_attn import flash_attn_func
 
@@ -163,6 +165,7 @@ def test_flash_attn_func_returns_lse_when_asked(flash_standin):
     )
 
 
+@pytest.mark.smoke
 def test_flash_varlen_packed_sequences_stay_apart(flash_standin):
     from flash_attn import flash_attn_varlen_func
 
@@ -217,10 +220,15 @@ def test_unknown_error_from_a_direct_entry_propagates(guard_active):
     def kernel(q, k, v, *args, **kwargs):
         raise boom
 
-    spec = callguard.DirectSpec(
-        "test.kernel", callguard.KIND_FLASH, kernel, kernel, ("q", "k", "v")
+    entry = callguard.Entry(
+        "flash_attn_func",
+        routing.FLASH_KERNEL,
+        kernel,
+        tensors=("q", "k", "v"),
+        twin=kernel,
+        site="test.kernel",
     )
-    fn = callguard.wrap_direct(spec)
+    fn = callguard.wrap_direct(entry)
     q = torch.empty(1, 4, 2, 8, dtype=BF16, device="meta")  # passes the fast checks
     with events.capture() as seen, pytest.raises(RuntimeError) as info:
         fn(q, q, q)
@@ -252,6 +260,7 @@ def test_xformers_cannot_run_here_unguarded(xformers_ops):
         xformers_ops.memory_efficient_attention(q, k, v)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("bias_kind", ["none", "tensor", "lower_triangular", "block_diagonal"])
 def test_xformers_fallback_with_each_bias_type(xformers_ops, bias_kind):
     from xformers.ops import fmha, memory_efficient_attention

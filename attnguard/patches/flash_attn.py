@@ -1,7 +1,7 @@
 """Per-call guard for flash_attn's direct entry points, patched when ``flash_attn`` is imported.
 
-``flash_attn_func``, ``flash_attn_varlen_func``, ``flash_attn_qkvpacked_func`` and
-``flash_attn_kvpacked_func`` are replaced on both ``flash_attn`` and
+``flash_attn_func``, ``flash_attn_varlen_func``, their qkv/kv-packed variants and
+``flash_attn_with_kvcache`` are replaced on both ``flash_attn`` and
 ``flash_attn.flash_attn_interface``, so ``from flash_attn import flash_attn_func`` and
 ``from flash_attn.flash_attn_interface import flash_attn_func`` in user code, run after attnguard
 is active, bind the guarded closures (:func:`attnguard.callguard.wrap_direct`). When the kernel
@@ -14,7 +14,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .. import callguard
+from .. import callguard, routing
 from ..patching import Ledger
 
 ledger = Ledger("flash_attn")
@@ -25,14 +25,21 @@ def _wrap(name: str, original: Any) -> Any:
         return original
     from ..fallback import FLASH_FUNCTIONS
 
-    spec = callguard.DirectSpec(
-        site=f"flash_attn.{name}",
-        kind=callguard.KIND_FLASH,
-        original=original,
+    if name == "flash_attn_with_kvcache":
+        # the caches are updated in place: never cast or move them, only the query and the rest
+        tensors, aux = ("q",), callguard.FLASH_KVCACHE_AUX
+    else:
+        tensors, aux = callguard.FLASH_TENSOR_PARAMS[name], ("alibi_slopes",)
+    entry = callguard.Entry(
+        name,
+        routing.FLASH_KERNEL,
+        original,
+        tensors=tensors,
         twin=FLASH_FUNCTIONS[name],
-        tensors=callguard.FLASH_TENSOR_PARAMS[name],
+        site=f"flash_attn.{name}",
+        aux=aux,
     )
-    return callguard.wrap_direct(spec)
+    return callguard.wrap_direct(entry)
 
 
 def patch(module: ModuleType) -> None:
@@ -43,8 +50,12 @@ def patch(module: ModuleType) -> None:
     )
     if isinstance(interface, ModuleType):
         owners.append(interface)
+    from ..fallback import FLASH_FUNCTIONS
+
     wrappers: dict[int, Any] = {}  # id(original) -> wrapper: one closure per function
     for name in callguard.FLASH_TENSOR_PARAMS:
+        if name not in FLASH_FUNCTIONS:
+            continue  # no twin to carry the calls the kernel cannot take
         for owner in owners:
             original = getattr(owner, name, None)
             if not callable(original):

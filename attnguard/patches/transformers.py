@@ -1,21 +1,30 @@
-"""transformers integration: model loading (load-time guard) and the attention registry (per call).
+"""transformers integration: model loading (load-time guard), the attention registry (per call) and
+the flash code path's kernels (the SDPA twins where flash-attn's kernel cannot run).
 
-Two halves, each with its own ledger, patched together when ``transformers.modeling_utils`` is
-imported: :mod:`.transformers_loading` and :mod:`.transformers_attention`.
+Three halves, each with its own ledger, patched together when ``transformers.modeling_utils`` is
+imported: :mod:`.transformers_loading`, :mod:`.transformers_attention` and
+:mod:`.transformers_kernels`.
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
-from . import transformers_attention, transformers_loading
+from . import transformers_attention, transformers_kernels, transformers_loading
 
 
 def patch(modeling_utils: ModuleType) -> None:
     transformers_loading.patch(modeling_utils)
     transformers_attention.patch(modeling_utils)
+    try:
+        flash_utils = importlib.import_module(transformers_kernels.MODULE)
+    except ImportError:
+        return
+    transformers_kernels.patch(flash_utils)
 
 
 def unpatch() -> None:
+    transformers_kernels.unpatch()
     transformers_attention.unpatch()
     transformers_loading.unpatch()

@@ -12,7 +12,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .. import callguard
+from .. import callguard, routing
 from ..patching import Ledger
 
 ledger = Ledger("xformers")
@@ -24,14 +24,16 @@ def _wrap(original: Any) -> Any:
         return original
     from ..fallback import xformers_memory_efficient_attention
 
-    spec = callguard.DirectSpec(
-        site=SITE,
-        kind=callguard.KIND_XFORMERS,
-        original=original,
-        twin=xformers_memory_efficient_attention,
+    entry = callguard.Entry(
+        "memory_efficient_attention",
+        routing.XFORMERS,
+        original,
         tensors=callguard.XFORMERS_TENSOR_PARAMS,
+        twin=xformers_memory_efficient_attention,
+        mask="attn_bias",
+        site=SITE,
     )
-    return callguard.wrap_direct(spec)
+    return callguard.wrap_direct(entry)
 
 
 def patch(module: ModuleType) -> None:

@@ -170,6 +170,10 @@ def flash_attn_with_kvcache(
         raise _not_implemented("rotary / cache_batch_idx / cache_leftpad")
     if block_table is not None:
         raise _not_implemented("paged KV (block_table)")
+    # The real fwd_kvcache is a plain extension call (not a torch custom op): its CUDAGuard on
+    # q's device is what rejects CPU tensors, before mha_fwd's other checks.
+    if not q.is_cuda:
+        raise RuntimeError(f"CUDAGuardImpl initialized with non-CUDA DeviceType: {q.device.type}")
     _check_inputs(q, k_cache, v_cache)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
