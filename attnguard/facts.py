@@ -1,28 +1,37 @@
 """What this runtime offers: GPUs, native bf16, which attention backends can really run, and the
 launch / deliberate-init context a model is being built in.
 
-Everything is a plain frozen dataclass, so tests (and ``attnguard doctor``) can inject facts for a
-machine they are not on (:func:`synthetic`). The expensive part (imports, tiny kernel calls) is
-collected once per process and cached (:func:`current`); the context parts (launcher variables,
-ZeRO-3 / FSDP / meta-device init) are re-read on every call because they change at run time.
+:class:`Facts` is a frozen dataclass, so tests (and ``attnguard doctor``) can inject facts for a
+machine they are not on (:func:`synthetic`). For this process (:func:`current`) nothing is read at
+activation: the GPUs are read the first time a decision needs them, and each backend is probed the
+first time a decision asks for *that* backend (a plain sdpa load probes nothing; a flash request
+probes flash-attn only; xformers is probed by ``attnguard doctor`` alone). Results are cached; the
+context parts (launcher variables, ZeRO-3 / FSDP / meta-device init, a ``torch.device`` block) are
+re-read on every call because they change at run time.
 
 A backend is judged by what it does, not by what transformers' availability check says:
 transformers reads package metadata and never imports the CUDA extension or checks the compute
 capability, so a broken install or a V100 passes loading and fails at the first attention call.
 Here the extension is really imported and, on a GPU, a tiny call is made (with the original
-function: any attnguard wrapper is unwrapped first).
+function: any attnguard wrapper is unwrapped first). Importing a native extension can crash the
+process if the extension is broken badly enough: the probe only runs where the program itself is
+about to use that library, and ``ATTNGUARD_DISABLE=flash_attn`` turns it off (flash-attn is then
+judged by its package metadata alone, as transformers does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import inspect
+import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +107,8 @@ class PackageState:
     import_error: str | None = None
     # first line of the error raised by a tiny kernel call on the GPU (None: passed or not run)
     probe_error: str | None = None
+    # warnings / log lines the package emitted while it was imported (captured, never printed)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,13 +123,19 @@ class Launch:
 
 @dataclass(frozen=True)
 class InitContext:
-    """Contexts in which a model is built on CPU / in fp32 / on meta *on purpose*: casting or
-    moving it there would break sharding or fp32 master weights, so the guard only observes."""
+    """How the caller is building the model right now, read at each load.
+
+    ``zero3`` / ``fsdp`` / ``meta``: contexts in which a model is built on CPU / in fp32 / on meta
+    *on purpose*; casting or moving it there would break sharding or fp32 master weights, so the
+    guard only observes. ``device_context``: the device of an active ``with torch.device(...)``
+    block or ``torch.set_default_device`` (an explicit placement by the caller), else None.
+    """
 
     zero3: bool = False
     fsdp: bool = False
     meta: bool = False
     default_device: str = "cpu"
+    device_context: str | None = None
 
     @property
     def deliberate(self) -> tuple[str, str] | None:
@@ -132,12 +149,86 @@ class InitContext:
         return None
 
 
+class Hardware:
+    """CUDA availability and the visible GPUs: given (synthetic facts) or read from torch the first
+    time a decision needs them (never at activation: a load that needs no GPU fact touches no GPU)."""
+
+    def __init__(self, gpus: tuple[GPU, ...] | None = None, *, cuda: bool | None = None) -> None:
+        self._gpus = gpus
+        self._cuda = cuda if cuda is not None else (None if gpus is None else bool(gpus))
+        self._lock = threading.Lock()
+
+    def _read(self) -> None:
+        with self._lock:
+            if self._gpus is None:
+                self._cuda, self._gpus = _read_gpus()
+
+    @property
+    def cuda(self) -> bool:
+        if self._cuda is None:
+            self._read()
+        return bool(self._cuda)
+
+    @property
+    def gpus(self) -> tuple[GPU, ...]:
+        if self._gpus is None:
+            self._read()
+        return self._gpus or ()
+
+    def __repr__(self) -> str:
+        known = "not read yet" if self._gpus is None else f"{len(self._gpus)} GPU(s)"
+        return f"Hardware({known})"
+
+
+_probing = threading.local()
+
+
+class Backends(Mapping[str, "Backend"]):
+    """Each backend judged the first time a decision asks for it, then cached.
+
+    ``probe(name)`` returns the :class:`Backend`; iterating probes every backend (``attnguard
+    doctor``). Synthetic facts pass a dict instead.
+    """
+
+    def __init__(self, probe: Any) -> None:
+        self._probe = probe
+        self._done: dict[str, Backend] = {}
+        self._lock = threading.RLock()
+
+    def __getitem__(self, name: str) -> Backend:
+        if name not in BACKENDS:
+            raise KeyError(name)
+        found = self._done.get(name)
+        if found is None:
+            with self._lock:
+                found = self._done.get(name)
+                if found is None:
+                    busy = _probing.__dict__.setdefault("names", set())
+                    if name in busy:  # re-entered from an import hook our own probe fired
+                        return Backend(name, False, PROBE_FAILED, f"{name} is being probed")
+                    busy.add(name)
+                    try:
+                        found = self._done[name] = self._probe(name)
+                    finally:
+                        busy.discard(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(BACKENDS)
+
+    def __len__(self) -> int:
+        return len(BACKENDS)
+
+    def probed(self) -> tuple[str, ...]:
+        """The backends judged so far (tests: a decision probes only what it needs)."""
+        return tuple(self._done)
+
+
 @dataclass(frozen=True)
 class Facts:
     """Everything the planner needs to know about this runtime."""
 
-    cuda: bool
-    gpus: tuple[GPU, ...]
+    hardware: Hardware
     backends: Mapping[str, Backend]
     launch: Launch = field(default_factory=Launch)
     init: InitContext = field(default_factory=InitContext)
@@ -145,11 +236,21 @@ class Facts:
     torch_version: str | None = None
     transformers_version: str | None = None
 
+    @property
+    def cuda(self) -> bool:
+        return self.hardware.cuda
+
+    @property
+    def gpus(self) -> tuple[GPU, ...]:
+        return self.hardware.gpus
+
     def backend(self, name: str) -> Backend:
         """Status of ``name``; "eager" and keys we do not judge count as usable."""
-        found = self.backends.get(_canonical(name))
-        if found is not None:
-            return found
+        key = _canonical(name)
+        if key in BACKENDS:
+            found = self.backends.get(key)
+            if found is not None:
+                return found
         return Backend(name, True, OK, "not judged by attnguard")
 
     @property
@@ -173,13 +274,20 @@ class Facts:
         return gpu is not None and gpu.native_bf16
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly view (``attnguard doctor --json``)."""
-        d = dataclasses.asdict(self)
-        d["backends"] = {k: dataclasses.asdict(v) for k, v in self.backends.items()}
-        d["native_bf16"] = self.native_bf16
-        for gpu, raw in zip(self.gpus, d["gpus"], strict=True):
-            raw["native_bf16"] = gpu.native_bf16
-            raw["capability"] = list(gpu.capability)
+        """JSON-friendly view (``attnguard doctor --json``): judges every backend."""
+        d: dict[str, Any] = {
+            "cuda": self.cuda,
+            "gpus": [dict(dataclasses.asdict(g), native_bf16=g.native_bf16) for g in self.gpus],
+            "backends": {k: dataclasses.asdict(self.backends[k]) for k in self.backends},
+            "launch": dataclasses.asdict(self.launch),
+            "init": dataclasses.asdict(self.init),
+            "accelerate": self.accelerate,
+            "torch_version": self.torch_version,
+            "transformers_version": self.transformers_version,
+            "native_bf16": self.native_bf16,
+        }
+        for raw in d["gpus"]:
+            raw["capability"] = list(raw["capability"])
         return d
 
 
@@ -290,7 +398,20 @@ def assess_backend(
     return Backend(name, True, OK, f"{label} {package.version or ''} usable".replace("  ", " "))
 
 
-# --- probes (side effects: imports, one tiny CUDA call per backend) ------------------------------
+# --- probes (side effects: imports, one tiny CUDA call) -----------------------------------------
+#
+# A probe runs the first time a decision needs that backend: a load asking for flash attention
+# probes flash-attn (the unguarded run would import it at the first attention call anyway); a plain
+# sdpa load probes nothing; xformers is only ever probed by `attnguard doctor`. Import-time
+# warnings and log records of the probed library are captured into the reason, never printed.
+
+# integration name (ATTNGUARD_DISABLE) of the library each backend's probe imports
+_INTEGRATION = {
+    "flash_attention_2": "flash_attn",
+    "flash_attention_3": "flash_attn",
+    "flash_attention_4": "flash_attn",
+    "xformers": "xformers",
+}
 
 
 def _dist_version(names: tuple[str, ...]) -> str | None:
@@ -319,6 +440,49 @@ def _unwrapped(fn: Any) -> Any:
         return fn
 
 
+class _Quiet(logging.Handler):
+    """Collects the records a probed library logs while it is imported."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(record.getMessage().strip().splitlines()[0][:200])
+        except Exception:
+            pass
+
+
+@contextlib.contextmanager
+def _quietly(logger_names: tuple[str, ...]) -> Iterator[list[str]]:
+    """Capture warnings and the named loggers' records for the duration of a probe.
+
+    The loggers are restored exactly as found (handlers, propagate, disabled): the host app owns
+    logging; this only keeps a probe from printing what the unguarded program would not.
+    """
+    notes: list[str] = []
+    handler = _Quiet()
+    saved = []
+    for name in logger_names:
+        lg = logging.getLogger(name)
+        saved.append((lg, lg.propagate, lg.level))
+        lg.addHandler(handler)
+        lg.propagate = False
+        lg.setLevel(logging.DEBUG)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield notes
+    finally:
+        for lg, propagate, level in saved:
+            lg.removeHandler(handler)
+            lg.propagate = propagate
+            lg.setLevel(level)
+        notes.extend(handler.lines)
+        notes.extend(str(w.message).strip().splitlines()[0][:200] for w in caught if w.message)
+
+
 def _probe_call(name: str, module: Any, device: str, dtype: Any) -> str | None:
     """One tiny real kernel call; returns the error's first line, or None when it ran."""
     import torch
@@ -338,8 +502,8 @@ def _probe_call(name: str, module: Any, device: str, dtype: Any) -> str | None:
         return _first_line(exc)
 
 
-def probe_package(name: str, *, gpu_device: str | None, half: Any = None) -> PackageState:
-    """Find, import and (on a GPU) call one backend's package. No import when it is absent."""
+def package_state(name: str) -> tuple[PackageState, str]:
+    """Metadata only (no import): whether ``name``'s package is installed, and its import name."""
     dists, module_name, _label = _PACKAGES[name]
     version = _dist_version(dists)
     if name == "flash_attention_2":
@@ -354,24 +518,34 @@ def probe_package(name: str, *, gpu_device: str | None, half: Any = None) -> Pac
         module_name = "flash_attn.cute"
     else:
         installed = _find_spec(module_name)
-    if not installed:
-        return PackageState(False, version)
-    try:
-        module = importlib.import_module(module_name)
-        if name == "flash_attention_2":
-            # transformers imports these two from the package root, and pad/unpad helpers
-            module.flash_attn_func  # noqa: B018
-            module.flash_attn_varlen_func  # noqa: B018
-        elif name == "xformers":
-            module = importlib.import_module("xformers.ops")
-    except BaseException as exc:  # a broken .so can raise OSError, ImportError, even SystemError
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        return PackageState(True, version, import_error=_first_line(exc))
-    probe_error = None
-    if gpu_device is not None and half is not None:
-        probe_error = _probe_call(name, module, gpu_device, half)
-    return PackageState(True, version, probe_error=probe_error)
+    return PackageState(installed, version), module_name
+
+
+def probe_package(
+    name: str, *, gpu_device: str | None, half: Any = None, do_import: bool = True
+) -> PackageState:
+    """Find, import and (on a GPU) call one backend's package. No import when it is absent, or
+    when ``do_import`` is False (the integration is disabled: judged by metadata only)."""
+    state, module_name = package_state(name)
+    if not state.installed or not do_import:
+        return state
+    with _quietly((module_name.split(".")[0], "xformers")) as notes:
+        try:
+            module = importlib.import_module(module_name)
+            if name == "flash_attention_2":
+                # transformers imports these two from the package root, and pad/unpad helpers
+                module.flash_attn_func  # noqa: B018
+                module.flash_attn_varlen_func  # noqa: B018
+            elif name == "xformers":
+                module = importlib.import_module("xformers.ops")
+        except BaseException as exc:  # a broken .so can raise OSError, ImportError, SystemError
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return dataclasses.replace(state, import_error=_first_line(exc))
+        probe_error = None
+        if gpu_device is not None and half is not None:
+            probe_error = _probe_call(name, module, gpu_device, half)
+    return dataclasses.replace(state, probe_error=probe_error, notes=tuple(notes))
 
 
 def _flex_state() -> PackageState:
@@ -382,7 +556,10 @@ def _flex_state() -> PackageState:
         return PackageState(True, import_error=_first_line(exc))
 
 
-def _gpus(torch: Any) -> tuple[bool, tuple[GPU, ...]]:
+def _read_gpus() -> tuple[bool, tuple[GPU, ...]]:
+    torch = sys.modules.get("torch")
+    if torch is None:  # nothing has imported torch: no model is being built on a GPU here
+        import torch
     try:
         if not torch.cuda.is_available():
             return False, ()
@@ -395,49 +572,44 @@ def _gpus(torch: Any) -> tuple[bool, tuple[GPU, ...]]:
         return False, ()
 
 
-def _collect_static() -> Facts:
-    import torch
+def _integration_allowed(name: str) -> bool:
+    """False when ATTNGUARD_DISABLE names the library this backend's probe would import."""
+    integration = _INTEGRATION.get(name)
+    if integration is None:
+        return True
+    runtime = sys.modules.get("attnguard.runtime")
+    settings = runtime.settings() if runtime is not None else None
+    return settings is None or settings.allows(integration)
 
-    from .runtime import versions
 
-    vers = versions()
-    tf_version = vers.get("transformers")
-    cuda, gpus = _gpus(torch)
-    launch = launch_now()
-    base = Facts(cuda, gpus, {}, launch=launch)
-    # a rank whose LOCAL_RANK names no GPU still judges kernels by the machine's GPU
-    gpu = base.local_gpu or (gpus[0] if gpus else None)
-    gpu_device = f"cuda:{gpu.index}" if gpu is not None else None
-    half = None
-    if gpu is not None:
-        half = torch.bfloat16 if gpu.native_bf16 else torch.float16
-    backends: dict[str, Backend] = {}
-    for name in BACKENDS:
-        if name == "sdpa":
-            state = PackageState(True)
-        elif name == "flex_attention":
-            state = _flex_state()
-        else:
+def _probe_backend(name: str, facts: Facts) -> Backend:
+    """Judge ``name`` on this machine (the body of :class:`Backends` for the current process)."""
+    if name == "sdpa":
+        state = PackageState(True)
+    elif name == "flex_attention":
+        state = _flex_state()
+    else:
+        allowed = _integration_allowed(name)
+        state, _ = package_state(name)
+        gpu = gpu_device = half = None
+        if state.installed and allowed:
+            gpu = facts.local_gpu or (facts.gpus[0] if facts.gpus else None)
             floor = CAPABILITY_FLOOR.get(name)
             # a tiny call only where it can pass: capability checks come first and are cheaper
-            can_call = gpu is not None and (floor is None or tuple(gpu.capability) >= floor)
-            state = probe_package(name, gpu_device=gpu_device if can_call else None, half=half)
-        backends[name] = assess_backend(
-            name,
-            state,
-            cuda=cuda,
-            gpu=gpu,
-            torch_version=vers.get("torch"),
-            transformers_version=tf_version,
-        )
-    return Facts(
-        cuda=cuda,
-        gpus=gpus,
-        backends=backends,
-        launch=launch,
-        accelerate=_find_spec("accelerate"),
-        torch_version=vers.get("torch"),
-        transformers_version=tf_version,
+            if gpu is not None and (floor is None or tuple(gpu.capability) >= floor):
+                import torch
+
+                gpu_device = f"cuda:{gpu.index}"
+                half = torch.bfloat16 if gpu.native_bf16 else torch.float16
+        state = probe_package(name, gpu_device=gpu_device, half=half, do_import=allowed)
+    gpu = facts.local_gpu or (facts.gpus[0] if facts.gpus else None)
+    return assess_backend(
+        name,
+        state,
+        cuda=facts.cuda,
+        gpu=gpu,
+        torch_version=facts.torch_version,
+        transformers_version=facts.transformers_version,
     )
 
 
@@ -459,36 +631,50 @@ def launch_now(environ: Mapping[str, str] | None = None) -> Launch:
 
 
 def zero3_enabled() -> bool:
-    """transformers' own answer, only where transformers' deepspeed module is already loaded
-    (it is whenever a model is being loaded; importing it here would pull transformers in)."""
+    """DeepSpeed ZeRO-3 as transformers sees it (an ``HfDeepSpeedConfig`` / a Trainer's ZeRO-3
+    config is alive), or a ``deepspeed.zero.Init()`` block is open. Read only from modules already
+    loaded: importing either here would pull them into a program that does not use them."""
     mod = sys.modules.get("transformers.integrations.deepspeed")
     fn = getattr(mod, "is_deepspeed_zero3_enabled", None)
     try:
-        return bool(fn()) if fn is not None else False
+        if fn is not None and fn():
+            return True
+    except Exception:
+        pass
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    try:
+        return bool(getattr(zero, "zero_init_context", 0))
     except Exception:
         return False
 
 
 def fsdp_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """accelerate (and transformers' Trainer with ``--fsdp``) announce FSDP through the
-    environment: ACCELERATE_USE_FSDP, or the FSDP_* variables ``accelerate launch`` exports."""
+    """accelerate (``accelerate launch`` with an FSDP config, and transformers' Trainer with
+    ``--fsdp``) announce FSDP through the environment: ACCELERATE_USE_FSDP, or FSDP_* variables."""
     env = os.environ if environ is None else environ
     if env.get("ACCELERATE_USE_FSDP", "").strip().lower() in _TRUE:
         return True
     return any(k.startswith("FSDP_") and v.strip() for k, v in env.items())
 
 
-def _default_device() -> str:
+def _device_context() -> str | None:
+    """The device of an active ``torch.device(...)`` block or ``torch.set_default_device``."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return "cpu"
+        return None
     try:
-        return str(torch.get_default_device())
+        mode_device = getattr(sys.modules.get("torch.utils._device"), "CURRENT_DEVICE", None)
+        if mode_device is not None:
+            return str(mode_device)
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+
+        for mode in reversed(_get_current_function_mode_stack()):
+            if isinstance(mode, DeviceContext):
+                return str(mode.device)
     except Exception:
-        try:
-            return str(torch.empty(0).device)
-        except Exception:
-            return "cpu"
+        pass
+    return None
 
 
 def _init_empty_weights_active() -> bool:
@@ -503,12 +689,13 @@ def _init_empty_weights_active() -> bool:
 
 
 def init_context_now(environ: Mapping[str, str] | None = None) -> InitContext:
-    device = _default_device()
+    device = _device_context()
     return InitContext(
         zero3=zero3_enabled(),
         fsdp=fsdp_enabled(environ),
-        meta=device.startswith("meta") or _init_empty_weights_active(),
-        default_device=device,
+        meta=(device or "").startswith("meta") or _init_empty_weights_active(),
+        default_device=device or "cpu",
+        device_context=device,
     )
 
 
@@ -526,41 +713,48 @@ def is_quantized_load(kwargs: Mapping[str, Any], config: Any = None) -> bool:
     return getattr(config, "quantization_config", None) is not None
 
 
-# --- the cache -----------------------------------------------------------------------------------
+# --- this process's facts ------------------------------------------------------------------------
 
 _lock = threading.RLock()
-_static: Facts | None = None
-_collecting = threading.local()
+_machine: tuple[Hardware, Backends, dict[str, Any]] | None = None
+
+
+def _this_machine() -> tuple[Hardware, Backends, dict[str, Any]]:
+    """The cached hardware / backends objects and versions of this process (nothing probed yet)."""
+    global _machine
+    machine = _machine
+    if machine is None:
+        with _lock:
+            if _machine is None:
+                from .runtime import versions
+
+                vers = versions()
+                hardware = Hardware()
+                static = {
+                    "accelerate": _find_spec("accelerate"),
+                    "torch_version": vers.get("torch"),
+                    "transformers_version": vers.get("transformers"),
+                }
+                holder: list[Facts] = []
+                backends = Backends(lambda name: _probe_backend(name, holder[0]))
+                holder.append(Facts(hardware, backends, **static))
+                _machine = (hardware, backends, static)
+            machine = _machine
+    return machine
 
 
 def current() -> Facts:
-    """This process's facts: probes cached after the first call, context re-read each call."""
-    global _static
-    static = _static
-    if static is None:
-        with _lock:
-            if _static is None:
-                if getattr(_collecting, "busy", False):
-                    # Re-entered from an import hook fired by our own probe: answer without probes.
-                    return _no_probe_facts()
-                _collecting.busy = True
-                try:
-                    _static = _collect_static()
-                finally:
-                    _collecting.busy = False
-            static = _static
-    return dataclasses.replace(static, launch=launch_now(), init=init_context_now())
-
-
-def _no_probe_facts() -> Facts:
-    return Facts(cuda=False, gpus=(), backends={}, launch=launch_now(), init=init_context_now())
+    """This process's facts. Cheap: hardware and each backend are read the first time a decision
+    needs them and cached; the launch and init context are re-read on every call."""
+    hardware, backends, static = _this_machine()
+    return Facts(hardware, backends, launch=launch_now(), init=init_context_now(), **static)
 
 
 def reset() -> None:
-    """Forget the cached probes (tests; after installing or removing a backend)."""
-    global _static
+    """Forget everything read so far (tests; after installing or removing a backend)."""
+    global _machine
     with _lock:
-        _static = None
+        _machine = None
 
 
 def synthetic(
@@ -584,9 +778,8 @@ def synthetic(
         GPU(i, f"{gpu_name} (sm{c[0]}{c[1]})", tuple(c), gpu_memory)  # type: ignore[arg-type]
         for i, c in enumerate(capabilities)
     )
-    cuda = bool(gpus)
     launch = launch or Launch()
-    base = Facts(cuda, gpus, {}, launch=launch)
+    base = Facts(Hardware(gpus), {}, launch=launch)
     gpu = base.local_gpu or (gpus[0] if gpus else None)
     backends = {}
     for name in BACKENDS:
@@ -602,15 +795,14 @@ def synthetic(
         backends[name] = assess_backend(
             name,
             state,
-            cuda=cuda,
+            cuda=bool(gpus),
             gpu=gpu,
             torch_version=torch_version,
             transformers_version=transformers_version,
         )
     return Facts(
-        cuda=cuda,
-        gpus=gpus,
-        backends=backends,
+        Hardware(gpus),
+        backends,
         launch=launch,
         init=init or InitContext(),
         accelerate=accelerate,

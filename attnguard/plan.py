@@ -1,8 +1,27 @@
 """The load-time planner: (request, facts, settings) -> Plan. Pure: no torch, no I/O, no events.
 
-The decision table (:data:`TABLE`) is data: ``attnguard doctor`` prints it and the tests walk
-every row. :func:`plan_load` is the one implementation of it; the transformers patches, the
-``guard_model`` path and ``attnguard doctor`` all call it.
+This module answers "what happens to a model that asks for flash attention here": which backend it
+loads with, in which dtype, on which device. The decision table (:data:`TABLE`) is data:
+``attnguard doctor`` prints it and the tests walk every row. :func:`plan_load` is the one
+implementation of it; the transformers patches, ``guard_model`` and ``attnguard doctor`` call it.
+
+Three principles shape the rows:
+
+* **An explicit choice stands.** A dtype the caller passed, a placement they chose (``device_map``,
+  ``tp_plan``, a ``with torch.device(...)`` block), a deliberate setup (DeepSpeed ZeRO-3, FSDP, meta
+  init, quantization) is never overridden at load time. Where a flash kernel will then meet
+  float32, the call-time guard carries each call (q/k/v cast for the kernel, output cast back) and
+  one ``observed`` event says so. Only what nobody chose (4.x's default float32, 5.x's ``"auto"``
+  resolving to a float32 checkpoint) may be cast or placed.
+* **Ranks never diverge.** With several processes (``WORLD_SIZE > 1``) the dtype is never changed at
+  load: one rank cannot see whether the others build on the meta device, and a cast on some ranks
+  only hangs a sharded wrapper's first broadcast. Placement on ``cuda:LOCAL_RANK`` stays (every
+  replicating wrapper needs it there; a sharding one moves each rank's part itself).
+* **The run they would have had.** When flash attention was asked for but its kernel cannot run
+  here, the model still gets what it would have had if flash had worked (the half dtype and the
+  rank's GPU, when there is one), and transformers' flash code path is kept where attnguard's SDPA
+  twins of the flash-attn kernels can run under it, so padded and packed batches, sliding windows,
+  softcapping and the bottom-right causal alignment are computed exactly as flash would.
 
 The plan is what fix mode would do. The caller decides, from the mode, whether to apply it (fix),
 only report it (warn) or refuse to go on (strict). Remedies disabled with ATTNGUARD_DISABLE turn
@@ -21,6 +40,10 @@ from .facts import FLASH_BACKENDS, Facts, _canonical
 # remedy names (as in ATTNGUARD_DISABLE)
 FALLBACK, CAST, PLACE, DEVICE_MAP = "fallback", "cast", "place", "device_map"
 
+# The kernel family that computes calls when transformers' flash code path is kept on attnguard's
+# SDPA twins (``Plan.kernels``).
+SDPA_TWINS = "sdpa"
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -37,12 +60,27 @@ class Rule:
 
 TABLE: tuple[Rule, ...] = (
     Rule(
+        "flash-on-sdpa",
+        "A/B",
+        "flash_attention_2/3/4 requested and its kernel cannot run here; the reason code is the "
+        "backend's status: package_missing, extension_broken (CUDA extension fails to import), "
+        "no_cuda, capability_too_low, version_too_old, probe_failed (a tiny test call failed); "
+        "the model supports flash attention and attnguard's SDPA twins cover this transformers "
+        "release; sdpa is the first usable backend of ATTNGUARD_FALLBACK",
+        "keep transformers' flash code path (padding, packed rows, sliding windows, softcap, "
+        "bottom-right causal alignment exactly as flash) and compute its kernel calls with "
+        "attnguard's SDPA twins of the flash-attn functions; never a hub kernel",
+        "backend_fallback",
+        "<backend status>",
+        FALLBACK,
+    ),
+    Rule(
         "flash-unusable",
         "A/B",
-        "flash_attention_2/3/4 requested and not usable here; the reason code is the backend's "
-        "status: package_missing, extension_broken (CUDA extension fails to import), no_cuda, "
-        "capability_too_low, version_too_old, probe_failed (a tiny test call failed)",
-        "load with the first usable backend of ATTNGUARD_FALLBACK (never a hub kernel)",
+        "as flash-on-sdpa, but the flash code path cannot be kept (the SDPA twins do not cover "
+        "this transformers release, or ATTNGUARD_FALLBACK puts another backend first)",
+        "load with the first backend of ATTNGUARD_FALLBACK that is usable here and that the "
+        "model class supports (never a hub kernel)",
         "backend_fallback",
         "<backend status>",
         FALLBACK,
@@ -51,7 +89,7 @@ TABLE: tuple[Rule, ...] = (
         "flash-unsupported",
         "A",
         "flash requested for a model class that does not support flash attention",
-        "load with the first usable backend of ATTNGUARD_FALLBACK",
+        "load with the first backend of ATTNGUARD_FALLBACK that the model class supports",
         "backend_fallback",
         "model_unsupported",
         FALLBACK,
@@ -59,7 +97,8 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "no-fallback",
         "A/B",
-        "flash unusable and no backend of ATTNGUARD_FALLBACK is usable either",
+        "flash cannot run and no backend of ATTNGUARD_FALLBACK is usable and supported by the "
+        "model class",
         "change nothing (transformers raises its own error)",
         "observed",
         "no_fallback_usable",
@@ -68,7 +107,10 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "fp32-cast",
         "E",
-        "flash usable, the model would be float32, ATTNGUARD_FP32_POLICY=cast (default)",
+        "flash requested (its kernel or the SDPA twins), a GPU for this rank, the model would be "
+        "float32 because the caller chose no dtype (4.x default, 5.x 'auto' on a float32 "
+        "checkpoint), one process, ATTNGUARD_FP32_POLICY=cast (default), the model will live on "
+        "a GPU",
         "load in bf16 where the GPU has it natively, else fp16 (ATTNGUARD_DTYPE overrides), by "
         "injecting the load dtype (keeps _keep_in_fp32_modules in fp32)",
         "model_cast",
@@ -87,16 +129,39 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "bf16-no-native",
         "B",
-        "flash requested with bfloat16 on a GPU without native bf16 (compute capability < 8.0)",
+        "flash requested with bfloat16 on a GPU without native bf16 (compute capability < 8.0), "
+        "the caller chose no dtype, one process",
         "load in fp16 (unless ATTNGUARD_DTYPE=bf16)",
         "model_cast",
         "no_native_bf16",
         CAST,
     ),
     Rule(
+        "explicit-dtype",
+        "E",
+        "a cast would apply, but the caller passed the dtype (torch_dtype= / dtype=)",
+        "change nothing at load; each flash call runs in the half dtype (q/k/v cast for the "
+        "kernel, the output cast back, the weights untouched)",
+        "observed",
+        "explicit_dtype",
+        None,
+    ),
+    Rule(
+        "ranks-agree",
+        "E",
+        "a cast would apply, but several processes load this model (WORLD_SIZE > 1): one rank "
+        "cannot know that every other rank would make the same cast",
+        "change nothing at load (a dtype on some ranks only would hang a sharded wrapper); "
+        "flash calls are carried at call time",
+        "observed",
+        "multi_rank",
+        None,
+    ),
+    Rule(
         "place-gpu",
         "A",
-        "flash usable, CUDA present, no device_map, the model would be built on the CPU",
+        "flash requested (its kernel or the SDPA twins), CUDA present, no placement chosen by "
+        "the caller, the model would be built on the CPU",
         'load straight onto cuda:LOCAL_RANK (device_map={"": "cuda:N"}); a model built with '
         "Model(config) is moved with .to()",
         "model_placed",
@@ -116,8 +181,9 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "deliberate-init",
         "A/E",
-        "a cast or a placement would apply, but DeepSpeed ZeRO-3, FSDP or meta-device init "
-        "builds the model on CPU / in fp32 on purpose",
+        "a cast or a placement would apply, but DeepSpeed ZeRO-3 (HfDeepSpeedConfig, "
+        "deepspeed.zero.Init), FSDP (accelerate / Trainer) or meta-device init builds the model "
+        "on CPU / in fp32 on purpose",
         "change nothing (sharding and fp32 master weights stay intact)",
         "observed",
         "zero3_init | fsdp_init | meta_init",
@@ -135,8 +201,9 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "explicit-placement",
         "A/E",
-        "a cast or a placement would apply, but the caller placed the model (explicit "
-        "device_map, tp_plan, accelerate hooks, or a model spread over devices)",
+        "a placement would apply (or a cast of a model the caller keeps off the GPU), but the "
+        "caller placed the model (explicit device_map, tp_plan, a torch.device(...) block, "
+        "accelerate hooks, or a model spread over devices)",
         "change nothing",
         "observed",
         "explicit_placement",
@@ -145,11 +212,11 @@ TABLE: tuple[Rule, ...] = (
     Rule(
         "place-impossible",
         "A",
-        "a placement would apply, but accelerate (needed for device_map) is missing or "
-        "LOCAL_RANK names no visible GPU",
+        "a placement would apply, but accelerate (needed for device_map) is missing, "
+        "LOCAL_RANK names no visible GPU, or the model does not fit the GPU",
         "change nothing",
         "observed",
-        "accelerate_missing | no_gpu_for_rank",
+        "accelerate_missing | no_gpu_for_rank | model_too_large",
         None,
     ),
     Rule(
@@ -176,12 +243,18 @@ class LoadRequest:
     dtype: str | None = None  # as given; None = not given; "auto" = the checkpoint's
     default_dtype: str = "float32"  # what "not given" means on this path / version
     checkpoint_dtype: str | None = None  # what "auto" resolves to; None = unknown
+    # the caller chose the dtype (a concrete dtype passed; "auto" and nothing are not a choice)
+    dtype_explicit: bool = False
     device_map: Any = None
     max_memory: Mapping[Any, Any] | None = None
     placement: str | None = None  # other explicit placement: "tp_plan", "accelerate hooks", ...
     device: str | None = None  # a built model: where its parameters are ("cpu", "cuda:0", "meta")
     quantized: bool = False
     supports_flash: bool = True
+    supports_sdpa: bool = True
+    supports_flex: bool = True
+    # transformers' flash code path can run on attnguard's SDPA twins for this model here
+    flash_path_on_twins: bool = False
     model_bytes: int | None = None
 
     @property
@@ -195,21 +268,36 @@ class LoadRequest:
 
 @dataclass(frozen=True)
 class Action:
-    """One decision, with the table row it comes from."""
+    """One decision, with the table row it comes from.
+
+    ``problem`` says what is wrong (or, for an observation, what was seen and why it is left as it
+    is); ``change`` says what fix mode does, as a phrase that reads after "attnguard will" / "would"
+    ("load with sdpa"): the event's reason is worded from both and the mode.
+    """
 
     rule: str
     event: str
     reason_code: str
-    reason: str
+    problem: str
     remedy: str | None = None
     target: str = ""  # sub-config key for per-sub-config backends ("" = the whole model)
     before: Any = None
     after: Any = None
+    change: str = ""
+    fields: Mapping[str, Any] = field(default_factory=dict)  # event-specific extras
 
     @property
     def applies(self) -> bool:
         """True for a change (fix mode applies it); False for an observation."""
         return self.event != "observed"
+
+    def reason(self, mode: str = "fix") -> str:
+        """The event's reason in ``mode``: what fix mode did, or would have done."""
+        if not self.applies or not self.change:
+            return self.problem
+        if mode == "fix":
+            return f"{self.problem}; attnguard: {self.change}"
+        return f"{self.problem}; attnguard would {self.change} ({mode} mode: not applied)"
 
 
 @dataclass(frozen=True)
@@ -222,6 +310,8 @@ class Plan:
     device_map: Any = None  # new device_map (issue 5); None = leave
     max_memory: Mapping[Any, Any] | None = None
     replaced_backends: frozenset[str] = field(default_factory=frozenset)
+    # "sdpa": flash kept as the code path, its kernel calls computed by the SDPA twins
+    kernels: str | None = None
 
     @property
     def changes(self) -> list[Action]:
@@ -233,7 +323,8 @@ class Plan:
 
     @property
     def backend_changed(self) -> bool:
-        return any(a.event == "backend_fallback" for a in self.changes)
+        """The load must pass another ``attn_implementation`` than the caller's."""
+        return self.attn_implementation != self.request.attn_implementation
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -242,11 +333,20 @@ class Plan:
                 for k, v in self.request.__dict__.items()
             },
             "attn_implementation": _jsonable(self.attn_implementation),
+            "kernels": self.kernels,
             "dtype": self.dtype,
             "device": self.device,
             "device_map": _jsonable(self.device_map),
             "max_memory": _jsonable(self.max_memory),
-            "actions": [dict(a.__dict__, applies=a.applies) for a in self.actions],
+            "actions": [
+                {
+                    **{k: v for k, v in a.__dict__.items() if k != "fields"},
+                    **dict(a.fields),
+                    "reason": a.reason(),
+                    "applies": a.applies,
+                }
+                for a in self.actions
+            ],
         }
 
 
@@ -290,7 +390,35 @@ def half_dtype(facts: Facts, settings: Settings) -> str:
     return "bfloat16" if facts.native_bf16 else "float16"
 
 
+def _supported(request: LoadRequest, backend: str) -> bool:
+    if backend == "sdpa":
+        return request.supports_sdpa
+    if backend == "flex_attention":
+        return request.supports_flex
+    return True  # eager: every model has it
+
+
+def fallback_choice(
+    request: LoadRequest, facts: Facts, settings: Settings, *, flash_path: bool
+) -> tuple[str, str | None] | None:
+    """(attn_implementation to load with, kernels) for a flash request that cannot keep its
+    kernel: the first backend of ATTNGUARD_FALLBACK usable here and supported by the model class.
+
+    "sdpa" means the SDPA twins under transformers' flash code path where ``flash_path`` allows
+    it (flash semantics kept), else transformers' own sdpa path. None: nothing fits.
+    """
+    for name in settings.fallback:
+        if name == "sdpa" and flash_path and request.flash_path_on_twins:
+            return "flash_attention_2", SDPA_TWINS
+        if name != "eager" and not facts.backend(name).usable:
+            continue
+        if _supported(request, name):
+            return name, None
+    return None
+
+
 def first_usable_fallback(facts: Facts, settings: Settings) -> str | None:
+    """The first backend of ATTNGUARD_FALLBACK usable here (any model class)."""
     for name in settings.fallback:
         if name == "eager" or facts.backend(name).usable:
             return name
@@ -313,26 +441,6 @@ def _target_label(target: str) -> str:
     return f" for {target}" if target else ""
 
 
-def _blocker(request: LoadRequest, facts: Facts) -> tuple[str, str, str] | None:
-    """(rule, reason_code, why) when the model must not be cast or moved here."""
-    deliberate = facts.init.deliberate
-    if deliberate is not None:
-        return ("deliberate-init", *deliberate)
-    if request.device == "meta":
-        return ("deliberate-init", "meta_init", "the model's parameters are on the meta device")
-    if request.quantized:
-        return ("quantized", "quantized", "the model is quantized (the quantizer owns dtype)")
-    if request.device_map is not None:
-        return (
-            "explicit-placement",
-            "explicit_placement",
-            f"an explicit device_map={request.device_map!r} was given",
-        )
-    if request.placement is not None:
-        return ("explicit-placement", "explicit_placement", f"{request.placement} places the model")
-    return None
-
-
 def _observe(rule: str, code: str, problem: str, why: str, target: str = "") -> Action:
     return Action(rule, "observed", code, f"{problem}; left as is: {why}", None, target)
 
@@ -347,224 +455,364 @@ def _disabled(remedy: str, code: str, problem: str, target: str = "") -> Action:
     )
 
 
+_GPU_WORDS = ("auto", "balanced", "balanced_low_0", "sequential", "cuda")
+
+
+def _on_gpu(where: Any) -> bool:
+    """A device_map value / device that puts weights on a GPU."""
+    if isinstance(where, bool):
+        return False
+    if isinstance(where, int):
+        return True
+    text = str(where).strip().lower()
+    return text.startswith(_GPU_WORDS)
+
+
+def map_on_gpu(device_map: Any) -> bool:
+    """True when an explicit device_map puts (some of) the model on a GPU."""
+    if isinstance(device_map, Mapping):
+        return any(_on_gpu(v) for v in device_map.values())
+    return _on_gpu(device_map)
+
+
+def _placement_by_caller(request: LoadRequest, facts: Facts) -> str | None:
+    """How the caller placed the model themselves, or None."""
+    if request.device_map is not None:
+        return f"an explicit device_map={request.device_map!r} was given"
+    if request.placement is not None:
+        return f"{request.placement} places the model"
+    ctx = facts.init.device_context
+    if ctx is not None and not ctx.startswith("meta"):
+        return f"the model is built inside a torch.device({ctx!r}) block"
+    return None
+
+
+def _lands_on_gpu(request: LoadRequest, facts: Facts) -> bool:
+    """Do the caller's own choices put the model on a GPU (a built model already there, a
+    device_map onto a GPU, tensor parallelism, a ``torch.device("cuda")`` block)?"""
+    if request.device is not None:
+        return request.device.startswith("cuda")
+    if request.device_map is not None:
+        return map_on_gpu(request.device_map)
+    if request.placement == "tp_plan":
+        return True
+    return facts.init.default_device.startswith("cuda")
+
+
+def _deliberate(request: LoadRequest, facts: Facts) -> tuple[str, str, str] | None:
+    """(rule, reason_code, why) for a setup that owns dtype and placement itself."""
+    deliberate = facts.init.deliberate
+    if deliberate is not None:
+        return ("deliberate-init", *deliberate)
+    if request.device == "meta":
+        return ("deliberate-init", "meta_init", "the model's parameters are on the meta device")
+    if request.quantized:
+        return ("quantized", "quantized", "the model is quantized (the quantizer owns dtype)")
+    return None
+
+
 # --- the planner ---------------------------------------------------------------------------------
 
 
-def _plan_backend(
-    request: LoadRequest, facts: Facts, settings: Settings
-) -> tuple[list[Action], dict[str, Any], set[str]]:
-    """Step 1: a flash kernel that cannot run here -> the first usable fallback backend."""
-    actions: list[Action] = []
-    new_attn: dict[str, Any] = {}
-    replaced: set[str] = set()
-    fallback = first_usable_fallback(facts, settings)
+@dataclass
+class _Draft:
+    """The plan being built by the steps of :func:`plan_load`."""
+
+    actions: list[Action] = field(default_factory=list)
+    new_attn: dict[str, Any] = field(default_factory=dict)
+    replaced: set[str] = field(default_factory=set)
+    kernels: str | None = None
+
+
+def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft: _Draft) -> None:
+    """Step 1: a flash kernel that cannot run here -> the flash path on the SDPA twins, or the
+    first fallback backend the model supports."""
     for target, want in _targets(request.attn_implementation):
         if not is_flash(want):
             continue
         status = facts.backend(want)
         if not request.supports_flash:
-            code, problem, rule = (
-                "model_unsupported",
+            code = "model_unsupported"
+            problem = (
                 f"{want} requested{_target_label(target)}: {request.model or 'the model'} "
-                "does not support flash attention",
-                "flash-unsupported",
+                "does not support flash attention"
             )
         elif not status.usable:
-            code, problem, rule = (
-                status.reason_code,
-                f"{want} requested{_target_label(target)}: {status.reason}",
-                "flash-unusable",
-            )
+            code, problem = status.reason_code, f"{want} requested{_target_label(target)}: "
+            problem += status.reason
         else:
             continue
+        choice = fallback_choice(request, facts, settings, flash_path=request.supports_flash)
         if not settings.allows(FALLBACK):
-            actions.append(_disabled(FALLBACK, code, problem, target))
-        elif fallback is None:
-            actions.append(
-                _observe(
-                    "no-fallback",
-                    "no_fallback_usable",
-                    problem,
-                    f"no backend of ATTNGUARD_FALLBACK={','.join(settings.fallback)} is usable",
-                    target,
-                )
+            draft.actions.append(_disabled(FALLBACK, code, problem, target))
+            continue
+        if choice is None:
+            why = (
+                f"no backend of ATTNGUARD_FALLBACK={','.join(settings.fallback)} is usable and "
+                f"supported by {request.model or 'the model'}"
             )
+            draft.actions.append(
+                _observe("no-fallback", "no_fallback_usable", problem, why, target)
+            )
+            continue
+        attn, kernels = choice
+        if kernels == SDPA_TWINS:
+            rule = "flash-on-sdpa"
+            change = (
+                "keep transformers' flash code path and compute its kernel calls with "
+                "attnguard's SDPA twins of the flash-attn functions (same semantics)"
+            )
+            draft.kernels = SDPA_TWINS
+            if _canonical(want) != attn:  # flash_attention_3/4: the same path, FA2's functions
+                draft.new_attn[target] = attn
         else:
-            new_attn[target] = fallback
-            replaced.add(_canonical(want))
-            actions.append(
-                Action(
-                    rule,
-                    "backend_fallback",
-                    code,
-                    f"{problem}; loading with {fallback}",
-                    FALLBACK,
-                    target,
-                    want,
-                    fallback,
-                )
+            rule = "flash-unsupported" if code == "model_unsupported" else "flash-unusable"
+            change = f"load with {attn}"
+            draft.new_attn[target] = attn
+            draft.replaced.add(_canonical(want))
+        draft.actions.append(
+            Action(
+                rule,
+                "backend_fallback",
+                code,
+                problem,
+                FALLBACK,
+                target,
+                want,
+                "sdpa" if kernels == SDPA_TWINS else attn,
+                change,
+                {"attn_implementation": attn, "slower": attn == "eager"},
             )
-    return actions, new_attn, replaced
+        )
 
 
 def plan_backend(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
     """Only the backend rows: what the backend gate and set_attn_implementation decide
     (dtype and placement are decided where the whole load is seen)."""
-    actions, new_attn, replaced = _plan_backend(request, facts, settings)
-    attn = _rebuild(request.attn_implementation, new_attn) if new_attn else None
+    draft = _Draft()
+    _plan_backend(request, facts, settings, draft)
+    return _finish(request, draft)
+
+
+def _finish(request: LoadRequest, draft: _Draft, **changes: Any) -> Plan:
+    attn = (
+        _rebuild(request.attn_implementation, draft.new_attn)
+        if draft.new_attn
+        else request.attn_implementation
+    )
     return Plan(
         request=request,
-        actions=tuple(actions),
-        attn_implementation=attn if new_attn else request.attn_implementation,
-        replaced_backends=frozenset(replaced),
+        actions=tuple(draft.actions),
+        attn_implementation=attn,
+        replaced_backends=frozenset(draft.replaced),
+        kernels=draft.kernels,
+        **changes,
     )
 
 
-def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
-    """Decide what to change so the requested attention backend can run. See :data:`TABLE`."""
-    actions, new_attn, replaced = _plan_backend(request, facts, settings)
-    fallback = first_usable_fallback(facts, settings)
-    requested_flash = [(t, v) for t, v in _targets(request.attn_implementation) if is_flash(v)]
+def _requested_flash(request: LoadRequest) -> list[str]:
+    return sorted({v for _, v in _targets(request.attn_implementation) if is_flash(v)})
 
-    # flash kernels that will really run (an unusable one left alone is transformers' to refuse)
-    still_flash = [
-        (t, v)
-        for t, v in requested_flash
-        if t not in new_attn and request.supports_flash and facts.backend(v).usable
-    ]
-    blocker = _blocker(request, facts)
-    dtype = request.effective_dtype
-    new_dtype: str | None = None
 
-    # 2. dtype: flash only runs in fp16 / bf16
-    if still_flash and dtype == "float32":
-        kernels = ", ".join(sorted({v for _, v in still_flash}))
-        problem = f"{kernels} only runs in fp16/bf16 but the model would load in float32"
-        if blocker is not None:
-            actions.append(_observe(blocker[0], blocker[1], problem, blocker[2]))
-        elif settings.fp32_policy == "fallback":
-            if not settings.allows(FALLBACK):
-                actions.append(_disabled(FALLBACK, "flash_needs_half", problem))
-            elif fallback is None:
-                actions.append(
-                    _observe("no-fallback", "no_fallback_usable", problem, "no fallback usable")
-                )
-            else:
-                for target, want in still_flash:
-                    new_attn[target] = fallback
-                    replaced.add(_canonical(want))
-                    actions.append(
-                        Action(
-                            "fp32-fallback",
-                            "backend_fallback",
-                            "flash_needs_half",
-                            f"{problem}; ATTNGUARD_FP32_POLICY=fallback keeps float32 and loads "
-                            f"with {fallback}",
-                            FALLBACK,
-                            target,
-                            want,
-                            fallback,
-                        )
-                    )
-                still_flash = []
-        elif not settings.allows(CAST):
-            actions.append(_disabled(CAST, "flash_needs_half", problem))
-        else:
-            new_dtype = half_dtype(facts, settings)
-            actions.append(
-                Action(
-                    "fp32-cast",
-                    "model_cast",
-                    "flash_needs_half",
-                    f"{problem}; loading in {new_dtype}",
-                    CAST,
-                    "",
-                    "float32",
-                    new_dtype,
-                )
+def _real_flash(request: LoadRequest, facts: Facts, draft: _Draft) -> list[str]:
+    """Flash kernels that will really run after step 1 (not replaced, usable here)."""
+    return sorted(
+        {
+            v
+            for t, v in _targets(request.attn_implementation)
+            if is_flash(v)
+            and t not in draft.new_attn
+            and request.supports_flash
+            and facts.backend(v).usable
+        }
+    )
+
+
+def _plan_placement(
+    request: LoadRequest, facts: Facts, settings: Settings, draft: _Draft, flash: list[str]
+) -> str | None:
+    """Step 2: a flash model that would be built on the CPU of a GPU machine. Returns the device
+    to load onto, or None."""
+    if not flash or not facts.cuda or _lands_on_gpu(request, facts):
+        return None
+    if request.device is not None and request.device != "cpu":
+        return None  # a built model on meta: deliberate (step 3 says so)
+    problem = f"{', '.join(flash)} needs the model on a GPU but it would be built on the CPU"
+    deliberate = _deliberate(request, facts)
+    by_caller = _placement_by_caller(request, facts)
+    index = facts.local_gpu_index
+    if deliberate is not None:
+        draft.actions.append(_observe(deliberate[0], deliberate[1], problem, deliberate[2]))
+    elif by_caller is not None:
+        draft.actions.append(
+            _observe("explicit-placement", "explicit_placement", problem, by_caller)
+        )
+    elif not settings.allows(PLACE):
+        draft.actions.append(_disabled(PLACE, "flash_needs_gpu", problem))
+    elif index is None:
+        why = (
+            f"LOCAL_RANK={facts.launch.local_rank} names none of the {len(facts.gpus)} visible GPUs"
+        )
+        draft.actions.append(_observe("place-impossible", "no_gpu_for_rank", problem, why))
+    elif request.device is None and not facts.accelerate:
+        why = "accelerate (needed for device_map) is not installed"
+        draft.actions.append(_observe("place-impossible", "accelerate_missing", problem, why))
+    elif _too_large(request, facts, index):
+        gpu = facts.gpus[index]
+        why = (
+            f"its weights (about {(request.model_bytes or 0) / 2**30:.1f} GiB) do not fit "
+            f"{gpu.name} ({gpu.total_memory / 2**30:.0f} GiB)"
+        )
+        draft.actions.append(_observe("place-impossible", "model_too_large", problem, why))
+    else:
+        device = f"cuda:{index}"
+        draft.actions.append(
+            Action(
+                "place-gpu",
+                "model_placed",
+                "flash_needs_gpu",
+                problem,
+                PLACE,
+                "",
+                request.device or "cpu",
+                device,
+                f"load it straight onto {device}",
             )
+        )
+        return device
+    return None
+
+
+# Share of a GPU's memory the weights may take when attnguard places a model there.
+PLACE_FRACTION = 0.9
+
+
+def _too_large(request: LoadRequest, facts: Facts, index: int) -> bool:
+    total = facts.gpus[index].total_memory
+    if request.model_bytes is None or not total:
+        return False
+    return request.model_bytes > total * PLACE_FRACTION
+
+
+def _plan_dtype(
+    request: LoadRequest,
+    facts: Facts,
+    settings: Settings,
+    draft: _Draft,
+    *,
+    flash: list[str],
+    real: list[str],
+    on_gpu: bool,
+) -> str | None:
+    """Step 3: the dtype flash would have run in, where nobody chose one. Returns the load dtype
+    to inject, or None."""
+    if not flash or not facts.cuda:
+        return None  # on a machine without CUDA float32 on the CPU is right
+    dtype = request.effective_dtype
+    gpu = facts.local_gpu
+    if dtype == "float32":
+        if real:
+            problem = (
+                f"{', '.join(real)} only runs in fp16/bf16 but the model would load in float32"
+            )
+        else:
+            problem = (
+                f"{', '.join(flash)} was requested (it runs in fp16/bf16) but the model would "
+                "load in float32"
+            )
+        if settings.fp32_policy == "fallback":
+            if real:
+                _fp32_fallback(request, facts, settings, draft, problem)
+            return None
+        code, new, before = "flash_needs_half", half_dtype(facts, settings), "float32"
     elif (
-        requested_flash
-        and dtype == "bfloat16"
-        and facts.cuda
-        and facts.local_gpu is not None
-        and not facts.native_bf16
-        and settings.dtype != "bf16"
+        dtype == "bfloat16" and gpu is not None and not gpu.native_bf16 and settings.dtype != "bf16"
     ):
-        gpu = facts.local_gpu
         problem = (
             f"bfloat16 requested on {gpu.name} (compute capability "
             f"{gpu.capability[0]}.{gpu.capability[1]}), which has no native bf16"
         )
-        if blocker is not None:
-            actions.append(_observe(blocker[0], "no_native_bf16", problem, blocker[2]))
-        elif not settings.allows(CAST):
-            actions.append(_disabled(CAST, "no_native_bf16", problem))
-        else:
-            new_dtype = "float16"
-            actions.append(
+        code, new, before = "no_native_bf16", "float16", "bfloat16"
+    else:
+        return None
+
+    if real and code == "flash_needs_half":
+        carried = (
+            f"each {', '.join(real)} call runs in {half_dtype(facts, settings)} through the "
+            f"call-time guard (q/k/v cast for the kernel, the output cast back; the weights stay "
+            f"{dtype}); load with dtype=torch.{new} to run the whole model in {new}"
+        )
+    else:
+        carried = f"the model computes in {dtype}"
+    deliberate = _deliberate(request, facts)
+    if deliberate is not None:
+        draft.actions.append(_observe(deliberate[0], deliberate[1], problem, deliberate[2]))
+    elif request.dtype_explicit:
+        why = f"dtype={request.dtype} was passed explicitly; {carried}"
+        draft.actions.append(_observe("explicit-dtype", "explicit_dtype", problem, why))
+    elif facts.launch.world_size > 1:
+        why = (
+            f"WORLD_SIZE={facts.launch.world_size}: a load-time cast could differ between ranks "
+            f"(some may build on the meta device) and hang a sharded wrapper; {carried}"
+        )
+        draft.actions.append(_observe("ranks-agree", "multi_rank", problem, why))
+    elif not on_gpu:
+        return None  # kept on the CPU (step 2 said why): a cast would only slow it there
+    elif not settings.allows(CAST):
+        draft.actions.append(_disabled(CAST, code, problem))
+    else:
+        rule = "fp32-cast" if code == "flash_needs_half" else "bf16-no-native"
+        draft.actions.append(
+            Action(rule, "model_cast", code, problem, CAST, "", before, new, f"load in {new}")
+        )
+        return new
+    return None
+
+
+def _fp32_fallback(
+    request: LoadRequest, facts: Facts, settings: Settings, draft: _Draft, problem: str
+) -> None:
+    """ATTNGUARD_FP32_POLICY=fallback: keep float32, leave the flash kernel for a fallback."""
+    choice = fallback_choice(request, facts, settings, flash_path=False)
+    if not settings.allows(FALLBACK):
+        draft.actions.append(_disabled(FALLBACK, "flash_needs_half", problem))
+        return
+    if choice is None:
+        why = "no backend of ATTNGUARD_FALLBACK is usable and supported by the model"
+        draft.actions.append(_observe("no-fallback", "no_fallback_usable", problem, why))
+        return
+    attn = choice[0]
+    for target, want in _targets(request.attn_implementation):
+        if is_flash(want) and target not in draft.new_attn:
+            draft.new_attn[target] = attn
+            draft.replaced.add(_canonical(want))
+            draft.actions.append(
                 Action(
-                    "bf16-no-native",
-                    "model_cast",
-                    "no_native_bf16",
-                    f"{problem}; loading in float16",
-                    CAST,
-                    "",
-                    "bfloat16",
-                    "float16",
+                    "fp32-fallback",
+                    "backend_fallback",
+                    "flash_needs_half",
+                    f"{problem}; ATTNGUARD_FP32_POLICY=fallback keeps float32",
+                    FALLBACK,
+                    target,
+                    want,
+                    attn,
+                    f"load with {attn}",
+                    {"attn_implementation": attn, "slower": attn == "eager"},
                 )
             )
 
-    # 3. placement: a flash model built on the CPU
-    new_device: str | None = None
-    # where the model lands unless we act; a caller who placed it (device_map, tp_plan, hooks)
-    # needs no placement
-    placed_by_caller = request.device_map is not None or request.placement is not None
-    on_cpu = not placed_by_caller and (
-        (request.device is None and not facts.init.default_device.startswith("cuda"))
-        or request.device == "cpu"
+
+def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
+    """Decide what to change so the requested attention backend can run. See :data:`TABLE`."""
+    draft = _Draft()
+    _plan_backend(request, facts, settings, draft)  # 1. backend
+    flash = _requested_flash(request)
+    new_device = _plan_placement(request, facts, settings, draft, flash)  # 2. placement
+    on_gpu = new_device is not None or _lands_on_gpu(request, facts)
+    real = _real_flash(request, facts, draft)
+    new_dtype = _plan_dtype(  # 3. dtype
+        request, facts, settings, draft, flash=flash, real=real, on_gpu=on_gpu
     )
-    if still_flash and facts.cuda and on_cpu:
-        kernels = ", ".join(sorted({v for _, v in still_flash}))
-        problem = f"{kernels} needs the model on a GPU but it would be built on the CPU"
-        index = facts.local_gpu_index
-        if blocker is not None:
-            actions.append(_observe(blocker[0], blocker[1], problem, blocker[2]))
-        elif not settings.allows(PLACE):
-            actions.append(_disabled(PLACE, "flash_needs_gpu", problem))
-        elif index is None:
-            actions.append(
-                _observe(
-                    "place-impossible",
-                    "no_gpu_for_rank",
-                    problem,
-                    f"LOCAL_RANK={facts.launch.local_rank} names none of the "
-                    f"{len(facts.gpus)} visible GPUs",
-                )
-            )
-        elif request.device is None and not facts.accelerate:
-            actions.append(
-                _observe(
-                    "place-impossible",
-                    "accelerate_missing",
-                    problem,
-                    "accelerate (needed for device_map) is not installed",
-                )
-            )
-        else:
-            new_device = f"cuda:{index}"
-            actions.append(
-                Action(
-                    "place-gpu",
-                    "model_placed",
-                    "flash_needs_gpu",
-                    f"{problem}; loading it straight onto {new_device}",
-                    PLACE,
-                    "",
-                    request.device or "cpu",
-                    new_device,
-                )
-            )
 
     # 4. multi-process launch with a spreading device_map (family C, attnguard.multigpu)
     new_map, new_max = None, None
@@ -573,10 +821,10 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
         if facts.init.deliberate is not None:
             pass  # ZeRO-3 / FSDP refuse a device_map anyway; nothing of ours to add
         elif not settings.allows(DEVICE_MAP):
-            actions.append(_disabled(DEVICE_MAP, decision.reason_code, decision.reason))
+            draft.actions.append(_disabled(DEVICE_MAP, decision.reason_code, decision.reason))
         else:
             new_map, new_max = decision.device_map, decision.max_memory
-            actions.append(
+            draft.actions.append(
                 Action(
                     "device-map-per-rank",
                     "device_map_rewritten",
@@ -586,19 +834,17 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
                     "",
                     decision.before,
                     decision.after,
+                    f"load with device_map={decision.device_map!r}",
                 )
             )
 
-    attn = _rebuild(request.attn_implementation, new_attn) if new_attn else None
-    return Plan(
-        request=request,
-        actions=tuple(actions),
-        attn_implementation=attn if new_attn else request.attn_implementation,
+    return _finish(
+        request,
+        draft,
         dtype=new_dtype,
         device=new_device,
         device_map=new_map,
         max_memory=new_max,
-        replaced_backends=frozenset(replaced),
     )
 
 
@@ -623,11 +869,14 @@ def _device_map_decision(request: LoadRequest, facts: Facts) -> Any:
 
 
 def flash_fp32_request(**overrides: Any) -> LoadRequest:
-    """The request ``attnguard doctor`` plans for: flash_attention_2 + float32 + no device_map."""
+    """The request ``attnguard doctor`` plans for: flash_attention_2 + float32 + no device_map,
+    the dtype chosen by nobody (4.x's default)."""
     base = LoadRequest(
         model="(any model)",
         site="doctor",
         attn_implementation="flash_attention_2",
-        dtype="float32",
+        dtype=None,
+        default_dtype="float32",
+        flash_path_on_twins=True,
     )
     return replace(base, **overrides)

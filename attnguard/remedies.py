@@ -32,7 +32,7 @@ from .errors import AttnGuardError
 from .facts import Facts, _canonical
 from .multigpu import spreads_over_ranks
 from .patching import report_internal_error
-from .plan import LoadRequest, Plan, dtype_name, is_flash, plan_backend, plan_load
+from .plan import Action, LoadRequest, Plan, dtype_name, is_flash, plan_backend, plan_load
 
 SITE_LOAD = "transformers.load"
 SITE_FROM_CONFIG = "transformers.from_config"
@@ -59,6 +59,7 @@ class Scope:
     site: str
     model: str
     backend_decided: bool
+    twins: bool = False  # the decided backend is flash's code path on the SDPA twins
 
 
 _SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar(
@@ -162,6 +163,29 @@ def _supports_flash(cls: type) -> bool:
     return True
 
 
+def _supports(cls: type, attr: str) -> bool:
+    value = getattr(cls, attr, None)
+    return True if value is None else bool(value)
+
+
+def _support_fields(cls: type) -> dict[str, Any]:
+    """What the model class supports, as LoadRequest fields."""
+    from .patches import transformers_kernels
+
+    flash = _supports_flash(cls)
+    return {
+        "supports_flash": flash,
+        "supports_sdpa": _supports(cls, "_supports_sdpa"),
+        "supports_flex": _supports(cls, "_supports_flex_attn"),
+        "flash_path_on_twins": flash and transformers_kernels.covers(cls),
+    }
+
+
+def _explicit(dtype: str | None) -> bool:
+    """A concrete dtype the caller chose ("auto" means the checkpoint's: not a choice)."""
+    return dtype is not None and dtype != "auto"
+
+
 def _default_dtype() -> str:
     import torch
 
@@ -169,10 +193,11 @@ def _default_dtype() -> str:
 
 
 def _needs_checkpoint_facts(request: LoadRequest, facts: Facts) -> bool:
-    """The checkpoint's dtype / quantization matter only where a flash kernel will run."""
+    """The checkpoint's dtype, size and quantization matter only where flash attention is asked
+    for on a CUDA machine (they decide the cast and the placement)."""
     attn = request.attn_implementation
     values = attn.values() if isinstance(attn, Mapping) else [attn]
-    return any(is_flash(v) and facts.backend(v).usable for v in values) and request.supports_flash
+    return any(is_flash(v) for v in values) and facts.cuda
 
 
 def _config_dict(path: Any, kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -205,20 +230,23 @@ def load_request(
     placement = None
     if kwargs.get("tp_plan") is not None or kwargs.get("device_mesh") is not None:
         placement = "tp_plan"
+    dtype = _name(_requested_dtype(kwargs))
     request = LoadRequest(
         model=cls.__name__,
         site=SITE_LOAD,
         attn_implementation=attn,
-        dtype=_name(_requested_dtype(kwargs)),
+        dtype=dtype,
+        dtype_explicit=_explicit(dtype),
         default_dtype="auto" if tf5 else _default_dtype(),
         device_map=kwargs.get("device_map"),
         max_memory=kwargs.get("max_memory"),
         placement=placement,
         quantized=facts_mod.is_quantized_load(kwargs, config_obj),
-        supports_flash=_supports_flash(cls),
+        **_support_fields(cls),
     )
     spreading = spreads_over_ranks(request.device_map, facts.launch.world_size)
-    if not (_needs_checkpoint_facts(request, facts) or spreading):
+    sizing = _needs_checkpoint_facts(request, facts)
+    if not (sizing or spreading):
         return request
     path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     raw: Any = config_obj
@@ -226,7 +254,7 @@ def load_request(
         raw = _config_dict(path, kwargs)
     checkpoint_dtype = _config_dtype(raw)
     model_bytes = None
-    if spreading:
+    if spreading or sizing:
         from .multigpu import estimate_model_bytes
 
         obj = config_obj
@@ -251,15 +279,16 @@ def from_config_request(cls: type, config: Any, kwargs: Mapping[str, Any]) -> Lo
         attn = "flash_attention_2"
     if attn is None:
         attn = config_attn(config)
-    requested = _requested_dtype(kwargs)
+    requested = _name(_requested_dtype(kwargs))
     return LoadRequest(
         model=cls.__name__,
         site=SITE_FROM_CONFIG,
         attn_implementation=attn,
-        dtype=_name(requested) if requested is not None else _config_dtype(config),
+        dtype=requested if requested is not None else _config_dtype(config),
+        dtype_explicit=_explicit(requested),
         default_dtype=_default_dtype(),
         quantized=facts_mod.is_quantized_load(kwargs, config),
-        supports_flash=_supports_flash(cls),
+        **_support_fields(cls),
     )
 
 
@@ -314,14 +343,14 @@ def model_request(model: Any, state: Mapping[str, Any]) -> LoadRequest:
         device=device,
         quantized=facts_mod.is_quantized_load({}, model.config)
         or bool(getattr(model, "is_quantized", False)),
-        supports_flash=_supports_flash(type(model)),
+        **_support_fields(type(model)),
     )
 
 
 # --- reporting -----------------------------------------------------------------------------------
 
 
-def _fields(action: Any, request: LoadRequest) -> dict[str, Any]:
+def _fields(action: Action, request: LoadRequest) -> dict[str, Any]:
     out: dict[str, Any] = {"model": request.model, "rule": action.rule}
     if action.target:
         out["target"] = action.target
@@ -335,6 +364,7 @@ def _fields(action: Any, request: LoadRequest) -> dict[str, Any]:
         out.update(before=action.before, after=action.after)
     else:
         out["requested"] = request.attn_implementation
+    out.update(action.fields)
     return out
 
 
@@ -344,29 +374,22 @@ def report(plan: Plan, settings: Settings, site: str) -> AttnGuardError | None:
     error = None
     for action in plan.actions:
         fields = _fields(action, plan.request)
-        reason = action.reason
         if action.applies:
             fields["applied"] = apply
-            if not apply:
-                reason = f"{reason} [not applied: {settings.mode} mode]"
         events.emit(
-            action.event, site=site, reason_code=action.reason_code, reason=reason, **fields
+            action.event,
+            site=site,
+            reason_code=action.reason_code,
+            reason=action.reason(settings.mode),
+            **fields,
         )
         if action.applies and settings.mode == "strict" and error is None:
-            error = AttnGuardError(action.reason_code, action.reason, _remedy_text(action))
+            error = AttnGuardError(action.reason_code, action.problem, action.change)
+        if action.rule == "flash-on-sdpa" and apply:
+            from .patches import transformers_kernels
+
+            transformers_kernels.announced(action.reason_code)
     return error
-
-
-def _remedy_text(action: Any) -> str:
-    if action.event == "backend_fallback":
-        return f"load with attn_implementation={action.after!r}"
-    if action.event == "model_cast":
-        return f"load in {action.after}"
-    if action.event == "model_placed":
-        return f"load straight onto {action.after}"
-    if action.event == "device_map_rewritten":
-        return f"load with {action.after}"
-    return action.rule
 
 
 def _active_settings() -> Settings | None:
@@ -488,6 +511,34 @@ def _prepare(
         return None, None
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
+
+
+def could_be_ours(exc: BaseException, kwargs: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Can the kwargs attnguard changed (``kwargs`` -> ``new``) have caused this load error?
+
+    An out-of-memory, a missing or unreadable file (OSError), or a missing dependency of the
+    caller's own arguments is the caller's: a retry would only fail again, later. An ImportError
+    is ours only when it names what our change brought in (accelerate for an injected device_map,
+    flash-attn for a backend we decided). Any other error may come from what we changed.
+    """
+    if _out_of_memory(exc):
+        return False
+    text = str(exc).lower()
+    injected_map = new.get("device_map") is not None and kwargs.get("device_map") is None
+    if "accelerate" in text and not injected_map:
+        return False  # e.g. the caller's device_map="auto" without accelerate installed
+    if isinstance(exc, ImportError):
+        changed_backend = new.get("attn_implementation") != kwargs.get("attn_implementation")
+        return (injected_map and "accelerate" in text) or (changed_backend and "flash" in text)
+    return not isinstance(exc, OSError)
+
+
 def _run_load(
     wrapped: Callable[..., Any],
     args: tuple[Any, ...],
@@ -495,14 +546,20 @@ def _run_load(
     new_kwargs: dict[str, Any],
     scope: Scope,
 ) -> tuple[Any, bool]:
-    """Run the load with our kwargs -> (result, whether our kwargs were used). If it fails with
-    them, report it and retry once with the caller's own (fail-open)."""
+    """Run the load with our kwargs -> (result, whether our kwargs were used).
+
+    If it fails in a way our change can have caused, report it and retry once with the caller's
+    own kwargs (fail-open). The caller's own errors (out of memory, a missing file, a missing
+    dependency of their own arguments) propagate at once, and only once.
+    """
     with _scoped(scope):
         if new_kwargs is kwargs:
             return wrapped(*args, **kwargs), False
         try:
             return wrapped(*args, **new_kwargs), True
         except Exception as exc:
+            if not could_be_ours(exc, kwargs, new_kwargs):
+                raise
             report_internal_error(f"{scope.site}.remedy", exc)
     with _scoped(None):  # the gate may still fix the backend on the retry
         return wrapped(*args, **kwargs), False
@@ -524,7 +581,9 @@ def guarded_from_pretrained(
             new_kwargs = load_kwargs(plan, kwargs)
         except Exception as exc:
             report_internal_error(SITE_LOAD, exc)
-    scope = Scope(SITE_LOAD, getattr(cls, "__name__", "?"), _decided(plan))
+    scope = Scope(
+        SITE_LOAD, getattr(cls, "__name__", "?"), _decided(plan), _on_twins(plan, settings)
+    )
     result, applied = _run_load(wrapped, args, kwargs, new_kwargs, scope)
     model = result[0] if isinstance(result, tuple) else result  # output_loading_info=True
     _after_load(model, plan if applied else None, settings, SITE_LOAD)
@@ -550,7 +609,9 @@ def guarded_from_config(
             new_kwargs = load_kwargs(replace(plan, device=None), kwargs)  # placed after the build
         except Exception as exc:
             report_internal_error(SITE_FROM_CONFIG, exc)
-    scope = Scope(SITE_FROM_CONFIG, getattr(cls, "__name__", "?"), _decided(plan))
+    scope = Scope(
+        SITE_FROM_CONFIG, getattr(cls, "__name__", "?"), _decided(plan), _on_twins(plan, settings)
+    )
     model, used = _run_load(wrapped, args, kwargs, new_kwargs, scope)
     applied = plan if used else None
     if applied is not None and applied.device is not None:
@@ -589,29 +650,48 @@ def _decided(plan: Plan | None) -> bool:
     return any(is_flash(v) for v in values)
 
 
-def _gate_replacement(
-    cls: type, requested: Any, site_default: str
-) -> tuple[Any, AttnGuardError | None]:
-    """What the backend gate should check instead of ``requested`` (unchanged when fine)."""
+def _on_twins(plan: Plan | None, settings: Settings) -> bool:
+    """The load keeps flash's code path and the SDPA twins compute its kernel calls."""
+    return plan is not None and plan.kernels is not None and settings.changes_things
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What the backend gate does with a flash request: check ``attn`` instead (``attn`` is the
+    request itself when nothing changes), and with ``twins`` skip transformers' own flash check
+    (the kernel cannot run here; the SDPA twins compute the flash path's calls)."""
+
+    attn: Any
+    twins: bool = False
+    error: AttnGuardError | None = None
+
+
+def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision:
     settings = _active_settings()
     if settings is None:
-        return requested, None
+        return GateDecision(requested)
     scope = _SCOPE.get()
-    supported = _supports_flash(cls)
-    if scope is not None and scope.backend_decided and supported:
-        return requested, None  # the outer load already decided (and reported) the backend
+    support = _support_fields(cls)
+    if scope is not None and scope.backend_decided and support["supports_flash"]:
+        # the outer load already decided (and reported) the backend
+        return GateDecision(_twins_attn(requested) if scope.twins else requested, scope.twins)
     site = scope.site if scope is not None else site_default
     facts = facts_mod.current()
-    request = LoadRequest(
-        model=cls.__name__, site=site, attn_implementation=requested, supports_flash=supported
-    )
+    request = LoadRequest(model=cls.__name__, site=site, attn_implementation=requested, **support)
     plan = plan_backend(request, facts, settings)
     error = report(plan, settings, site)
     if error is not None:
-        return requested, error
-    if plan.backend_changed and settings.changes_things:
-        return plan.attn_implementation, None
-    return requested, None
+        return GateDecision(requested, error=error)
+    if not settings.changes_things:
+        return GateDecision(requested)
+    return GateDecision(plan.attn_implementation, _on_twins(plan, settings))
+
+
+def _twins_attn(requested: Any) -> Any:
+    """flash_attention_3/4 on the twins run flash_attention_2's path (the same functions)."""
+    if isinstance(requested, Mapping):
+        return {k: _twins_attn(v) for k, v in requested.items()}
+    return "flash_attention_2" if is_flash(requested) and "paged" not in requested else requested
 
 
 def guarded_check_and_adjust(
@@ -623,23 +703,36 @@ def guarded_check_and_adjust(
     if not is_flash(requested) or instance is None:
         return wrapped(*args, **kwargs)
     try:
-        new, error = _gate_replacement(type(instance), requested, SITE_INIT)
+        decision = _gate_decision(type(instance), requested, SITE_INIT)
     except Exception as exc:
         report_internal_error(SITE_INIT, exc)
         return wrapped(*args, **kwargs)
-    if error is not None:
-        raise error
+    if decision.error is not None:
+        raise decision.error
+    new = decision.attn
+    if decision.twins:
+        # transformers' other checks for this model still run; its flash check would refuse a
+        # kernel that cannot run here (or fetch one from the hub): the twins compute instead
+        _call_with(wrapped, args, kwargs, "eager")
+        from .patches import transformers_kernels
+
+        transformers_kernels.preload(new)
+        return new
     if new is requested:
         return wrapped(*args, **kwargs)
     try:
         _replace_in_sub_configs(getattr(instance, "config", None), requested, new)
     except Exception as exc:
         report_internal_error(SITE_INIT, exc)
+    return _call_with(wrapped, args, kwargs, new)
+
+
+def _call_with(
+    wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], attn: Any
+) -> Any:
     if args:
-        args = (new, *args[1:])
-    else:
-        kwargs = {**kwargs, "attn_implementation": new}
-    return wrapped(*args, **kwargs)
+        return wrapped(attn, *args[1:], **kwargs)
+    return wrapped(*args, **{**kwargs, "attn_implementation": attn})
 
 
 def _replace_in_sub_configs(config: Any, old: str, new: str) -> None:
@@ -666,12 +759,18 @@ def guarded_autoset(
         values = requested.values() if isinstance(requested, Mapping) else [requested]
         if not any(is_flash(v) for v in values):
             return wrapped(*args, **kwargs)
-        new, error = _gate_replacement(cls, requested, SITE_INIT)
+        decision = _gate_decision(cls, requested, SITE_INIT)
     except Exception as exc:
         report_internal_error(SITE_INIT, exc)
         return wrapped(*args, **kwargs)
-    if error is not None:
-        raise error
+    if decision.error is not None:
+        raise decision.error
+    new = decision.attn
+    if decision.twins:
+        # transformers' own flash check (``_check_and_enable_flash_attn_2``) runs inside and,
+        # seeing the scope, lets flash's code path stand for the SDPA twins
+        with _scoped(Scope(SITE_INIT, getattr(cls, "__name__", "?"), True, True)):
+            return wrapped(*args, **kwargs)
     if new is requested:
         return wrapped(*args, **kwargs)
     config._attn_implementation_internal = dict(new) if isinstance(new, Mapping) else new
@@ -680,6 +779,27 @@ def guarded_autoset(
     if "use_flash_attention_2" in kwargs:
         kwargs = {**kwargs, "use_flash_attention_2": False}
     return wrapped(*args, **kwargs)
+
+
+def guarded_flash_check(
+    wrapped: Callable[..., Any], owner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Body of the wrappers of transformers' flash-attn availability check
+    (``_check_and_enable_flash_attn_2`` up to 4.53, ``_flash_attn_2_can_dispatch`` /
+    ``_flash_attn_3_can_dispatch`` from 4.54, ``_flash_attn_can_dispatch`` from 5.5). Inside a
+    load or switch whose decision is flash's code path on the SDPA twins, the check passes: the
+    kernel it checks for is not the one that will compute (model support was checked by the
+    planner). Everywhere else transformers checks as it always does."""
+    scope = _SCOPE.get()
+    if scope is None or not scope.twins:
+        return wrapped(*args, **kwargs)
+    if getattr(wrapped, "__name__", "") == "_check_and_enable_flash_attn_2":
+        config = args[0] if args else kwargs.get("config")
+        hard_check_only = kwargs.get("hard_check_only", args[4] if len(args) > 4 else False)
+        if config is not None and not hard_check_only:
+            config._attn_implementation = "flash_attention_2"
+        return config
+    return True
 
 
 def guarded_set_attn_implementation(
@@ -692,18 +812,15 @@ def guarded_set_attn_implementation(
     if instance is None or not any(is_flash(v) for v in values) or _SCOPE.get() is not None:
         return wrapped(*args, **kwargs)
     try:
-        new, error = _gate_replacement(type(instance), requested, SITE_SET_ATTN)
+        decision = _gate_decision(type(instance), requested, SITE_SET_ATTN)
     except Exception as exc:
         report_internal_error(SITE_SET_ATTN, exc)
         return wrapped(*args, **kwargs)
-    if error is not None:
-        raise error
-    if args:
-        args = (new, *args[1:])
-    else:
-        kwargs = {**kwargs, "attn_implementation": new}
-    with _scoped(Scope(SITE_SET_ATTN, type(instance).__name__, True)):
-        return wrapped(*args, **kwargs)
+    if decision.error is not None:
+        raise decision.error
+    scope = Scope(SITE_SET_ATTN, type(instance).__name__, True, decision.twins)
+    with _scoped(scope):
+        return _call_with(wrapped, args, kwargs, decision.attn)
 
 
 # --- models built with Model(config) -------------------------------------------------------------
@@ -774,7 +891,7 @@ def guard_built_model(model: Any) -> Any:
     if not (plan.changes and settings.changes_things):
         return model
     try:
-        with _scoped(Scope(SITE_INIT, type(model).__name__, True)):
+        with _scoped(Scope(SITE_INIT, type(model).__name__, True, _on_twins(plan, settings))):
             if plan.backend_changed:
                 _switch_backend(model, plan.attn_implementation)
             if plan.dtype is not None and _safe_to_move(model):

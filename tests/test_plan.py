@@ -14,7 +14,7 @@ import pytest
 from attnguard import doctor, events
 from attnguard import facts as F
 from attnguard.config import Settings
-from attnguard.plan import TABLE, LoadRequest, Plan, flash_fp32_request, plan_backend, plan_load
+from attnguard.plan import TABLE, LoadRequest, Plan, plan_backend, plan_load
 
 FLASH = "flash_attention_2"
 GPUS = {"H100": (9, 0), "A100": (8, 0), "V100": (7, 0), "T4": (7, 5)}
@@ -40,7 +40,12 @@ def machine(
 
 
 def req(**kw: Any) -> LoadRequest:
-    base = {"model": "Qwen2ForCausalLM", "attn_implementation": FLASH, "dtype": None}
+    base = {
+        "model": "Qwen2ForCausalLM",
+        "attn_implementation": FLASH,
+        "dtype": None,
+        "flash_path_on_twins": True,
+    }
     return LoadRequest(**{**base, **kw})
 
 
@@ -49,164 +54,255 @@ def summary(plan: Plan) -> list[tuple[str, str, str]]:
 
 
 S = Settings()
+TW = "sdpa"  # Plan.kernels when flash's code path runs on attnguard's SDPA twins
+CAST_H100 = ("fp32-cast", "model_cast", "flash_needs_half")
+PLACE = ("place-gpu", "model_placed", "flash_needs_gpu")
 
+
+def twins(code: str) -> tuple[str, str, str]:
+    return ("flash-on-sdpa", "backend_fallback", code)
+
+
+def unusable(code: str) -> tuple[str, str, str]:
+    return ("flash-unusable", "backend_fallback", code)
+
+
+VERL_RANK0 = F.InitContext(default_device="cpu", device_context="cpu")
 # (id, facts, request, settings, expected actions as (rule, event, reason_code), load with)
-# "load with" = (attn_implementation, dtype to inject, device to place on)
+# "load with" = (attn_implementation, kernels, dtype to inject, device to place on)
 CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]], tuple]] = [
-    # --- family A / E on GPUs that run flash -----------------------------------------------------
+    # --- family A / E on GPUs that run flash: nobody chose the dtype -----------------------------
     (
         "H100 fp32 no device_map",
         machine("H100"),
         req(),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        (FLASH, None, "bfloat16", "cuda:0"),
     ),
     (
         "A100 fp32 no device_map",
         machine("A100"),
         req(),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        (FLASH, None, "bfloat16", "cuda:0"),
     ),
     (
         "H100 bf16 no device_map (family A only)",
         machine("H100"),
         req(dtype="bfloat16"),
         S,
-        [("place-gpu", "model_placed", "flash_needs_gpu")],
-        (FLASH, None, "cuda:0"),
+        [PLACE],
+        (FLASH, None, None, "cuda:0"),
     ),
     (
         "H100 5.x auto dtype, fp32 checkpoint",
         machine("H100"),
         req(default_dtype="auto", checkpoint_dtype="float32"),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        (FLASH, None, "bfloat16", "cuda:0"),
     ),
     (
         "H100 5.x auto dtype, bf16 checkpoint",
         machine("H100"),
         req(default_dtype="auto", checkpoint_dtype="bfloat16"),
         S,
-        [("place-gpu", "model_placed", "flash_needs_gpu")],
-        (FLASH, None, "cuda:0"),
+        [PLACE],
+        (FLASH, None, None, "cuda:0"),
+    ),
+    (
+        "H100 dtype='auto' passed, fp32 checkpoint: 'auto' is not a choice of float32",
+        machine("H100"),
+        req(dtype="auto", checkpoint_dtype="float32"),
+        S,
+        [PLACE, CAST_H100],
+        (FLASH, None, "bfloat16", "cuda:0"),
     ),
     (
         "H100 auto dtype, checkpoint dtype unknown: no cast",
         machine("H100"),
         req(dtype="auto"),
         S,
-        [("place-gpu", "model_placed", "flash_needs_gpu")],
-        (FLASH, None, "cuda:0"),
+        [PLACE],
+        (FLASH, None, None, "cuda:0"),
     ),
     (
         "H100 fp32, ATTNGUARD_DTYPE=fp16",
         machine("H100"),
-        req(dtype="float32"),
+        req(),
         Settings(dtype="fp16"),
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, "float16", "cuda:0"),
+        [PLACE, CAST_H100],
+        (FLASH, None, "float16", "cuda:0"),
     ),
     (
-        "H100 fp32, ATTNGUARD_FP32_POLICY=fallback",
+        "H100 fp32, ATTNGUARD_FP32_POLICY=fallback: float32 on the GPU with sdpa",
         machine("H100"),
         req(),
         Settings(fp32_policy="fallback"),
-        [("fp32-fallback", "backend_fallback", "flash_needs_half")],
-        ("sdpa", None, None),
+        [PLACE, ("fp32-fallback", "backend_fallback", "flash_needs_half")],
+        ("sdpa", None, None, "cuda:0"),
     ),
     (
         "H100 flash_attention_3 usable, fp32",
         machine("H100", flash=None, installed_extra={"flash_attention_3": "3.0.0"}),
         req(attn_implementation="flash_attention_3"),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        ("flash_attention_3", "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        ("flash_attention_3", None, "bfloat16", "cuda:0"),
     ),
-    # --- family B: below sm80 --------------------------------------------------------------------
+    # --- an explicit choice stands ----------------------------------------------------------------
     (
-        "V100 fp32: flash cannot run, sdpa keeps fp32",
+        "H100 dtype=float32 passed: stands, the call-time guard carries flash",
+        machine("H100"),
+        req(dtype="float32", dtype_explicit=True),
+        S,
+        [PLACE, ("explicit-dtype", "observed", "explicit_dtype")],
+        (FLASH, None, None, "cuda:0"),
+    ),
+    (
+        "H100 fp32 explicit device_map=auto (one process): the caller's map is on the GPU",
+        machine("H100"),
+        req(device_map="auto"),
+        S,
+        [CAST_H100],
+        (FLASH, None, "bfloat16", None),
+    ),
+    (
+        "H100 bf16 explicit device_map: nothing wrong",
+        machine("H100"),
+        req(dtype="bfloat16", device_map={"": "cuda:0"}),
+        S,
+        [],
+        (FLASH, None, None, None),
+    ),
+    (
+        "H100 fp32 device_map='cpu': kept on the CPU, no cast",
+        machine("H100"),
+        req(device_map="cpu"),
+        S,
+        [("explicit-placement", "observed", "explicit_placement")],
+        (FLASH, None, None, None),
+    ),
+    (
+        "H100 fp32 inside torch.device('cpu'): placement and dtype stand",
+        machine("H100", init=VERL_RANK0),
+        req(),
+        S,
+        [("explicit-placement", "observed", "explicit_placement")],
+        (FLASH, None, None, None),
+    ),
+    (
+        "H100 fp32 inside torch.device('cuda:0'): already on the GPU, cast",
+        machine("H100", init=F.InitContext(default_device="cuda:0", device_context="cuda:0")),
+        req(),
+        S,
+        [CAST_H100],
+        (FLASH, None, "bfloat16", None),
+    ),
+    (
+        "H100 fp32 tp_plan: on the GPUs by the caller",
+        machine("H100"),
+        req(placement="tp_plan"),
+        S,
+        [CAST_H100],
+        (FLASH, None, "bfloat16", None),
+    ),
+    # --- several ranks: never a dtype decision that could differ between ranks ----------------
+    (
+        "verl rank 0: torch.device('cpu') + dtype=float32, 2 ranks",
+        machine("H100", n=2, init=VERL_RANK0, launch=F.Launch(0, 0, 2)),
+        req(dtype="float32", dtype_explicit=True),
+        S,
+        [
+            ("explicit-placement", "observed", "explicit_placement"),
+            ("explicit-dtype", "observed", "explicit_dtype"),
+        ],
+        (FLASH, None, None, None),
+    ),
+    (
+        "verl rank 1: init_empty_weights + dtype=float32, 2 ranks",
+        machine("H100", n=2, init=F.InitContext(meta=True), launch=F.Launch(1, 1, 2)),
+        req(dtype="float32", dtype_explicit=True),
+        S,
+        [
+            ("deliberate-init", "observed", "meta_init"),
+            ("deliberate-init", "observed", "meta_init"),
+        ],
+        (FLASH, None, None, None),
+    ),
+    (
+        "DDP rank 1, nobody chose the dtype: placed, dtype left to the call-time guard",
+        machine("H100", n=2, launch=F.Launch(1, 1, 2)),
+        req(),
+        S,
+        [
+            ("place-gpu", "model_placed", "flash_needs_gpu"),
+            ("ranks-agree", "observed", "multi_rank"),
+        ],
+        (FLASH, None, None, "cuda:1"),
+    ),
+    # --- family B: below sm80: flash's path on the SDPA twins, in fp16 on the GPU -------------
+    (
+        "V100 fp32: the run flash would have had (fp16 on the GPU)",
         machine("V100"),
         req(),
         S,
-        [("flash-unusable", "backend_fallback", "capability_too_low")],
-        ("sdpa", None, None),
+        [twins("capability_too_low"), PLACE, CAST_H100],
+        (FLASH, TW, "float16", "cuda:0"),
     ),
     (
-        "V100 bf16: sdpa and fp16",
+        "V100 bf16: fp16",
         machine("V100"),
         req(dtype="bfloat16"),
         S,
-        [
-            ("flash-unusable", "backend_fallback", "capability_too_low"),
-            ("bf16-no-native", "model_cast", "no_native_bf16"),
-        ],
-        ("sdpa", "float16", None),
+        [twins("capability_too_low"), PLACE, ("bf16-no-native", "model_cast", "no_native_bf16")],
+        (FLASH, TW, "float16", "cuda:0"),
     ),
     (
-        "T4 bf16: sdpa and fp16",
+        "T4 bf16: fp16",
         machine("T4"),
         req(dtype="bfloat16"),
         S,
-        [
-            ("flash-unusable", "backend_fallback", "capability_too_low"),
-            ("bf16-no-native", "model_cast", "no_native_bf16"),
-        ],
-        ("sdpa", "float16", None),
+        [twins("capability_too_low"), PLACE, ("bf16-no-native", "model_cast", "no_native_bf16")],
+        (FLASH, TW, "float16", "cuda:0"),
     ),
     (
         "T4 bf16, ATTNGUARD_DTYPE=bf16 insists",
         machine("T4"),
         req(dtype="bfloat16"),
         Settings(dtype="bf16"),
-        [("flash-unusable", "backend_fallback", "capability_too_low")],
-        ("sdpa", None, None),
+        [twins("capability_too_low"), PLACE],
+        (FLASH, TW, None, "cuda:0"),
     ),
     (
-        "T4 fp16: nothing but the backend",
+        "T4 fp16: backend and placement",
         machine("T4"),
         req(dtype="float16"),
         S,
-        [("flash-unusable", "backend_fallback", "capability_too_low")],
-        ("sdpa", None, None),
+        [twins("capability_too_low"), PLACE],
+        (FLASH, TW, None, "cuda:0"),
     ),
     # --- flash missing / broken / old / failing ---------------------------------------------------
     (
-        "no GPU, flash-attn missing",
+        "no GPU, flash-attn missing: nothing cast on a CPU machine",
         machine(None, flash=None),
         req(),
         S,
-        [("flash-unusable", "backend_fallback", "package_missing")],
-        ("sdpa", None, None),
+        [twins("package_missing")],
+        (FLASH, TW, None, None),
     ),
     (
         "no GPU, flash-attn installed",
         machine(None),
         req(),
         S,
-        [("flash-unusable", "backend_fallback", "no_cuda")],
-        ("sdpa", None, None),
+        [twins("no_cuda")],
+        (FLASH, TW, None, None),
     ),
     (
-        "H100, flash-attn extension broken",
+        "H100, flash-attn extension broken: the run flash would have had",
         machine(
             "H100",
             flash=F.PackageState(
@@ -215,40 +311,80 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         ),
         req(),
         S,
-        [("flash-unusable", "backend_fallback", "extension_broken")],
-        ("sdpa", None, None),
+        [twins("extension_broken"), PLACE, CAST_H100],
+        (FLASH, TW, "bfloat16", "cuda:0"),
+    ),
+    (
+        "H100, flash-attn missing: the run flash would have had",
+        machine("H100", flash=None),
+        req(),
+        S,
+        [twins("package_missing"), PLACE, CAST_H100],
+        (FLASH, TW, "bfloat16", "cuda:0"),
     ),
     (
         "H100, flash-attn too old",
         machine("H100", flash="2.0.9"),
-        req(),
+        req(dtype="bfloat16"),
         S,
-        [("flash-unusable", "backend_fallback", "version_too_old")],
-        ("sdpa", None, None),
+        [twins("version_too_old"), PLACE],
+        (FLASH, TW, None, "cuda:0"),
     ),
     (
         "H100, tiny flash call fails",
         machine("H100", flash=F.PackageState(True, "2.8.3", probe_error="RuntimeError: no kernel")),
-        req(),
+        req(dtype="bfloat16"),
         S,
-        [("flash-unusable", "backend_fallback", "probe_failed")],
-        ("sdpa", None, None),
+        [twins("probe_failed"), PLACE],
+        (FLASH, TW, None, "cuda:0"),
     ),
     (
-        "A100, flash_attention_4 below its sm90 floor",
+        "A100, flash_attention_4 below its sm90 floor: FA2's path on the twins",
         machine("A100", flash=None, installed_extra={"flash_attention_4": "4.0.0b1"}),
         req(attn_implementation="flash_attention_4", dtype="bfloat16"),
         S,
-        [("flash-unusable", "backend_fallback", "capability_too_low")],
-        ("sdpa", None, None),
+        [twins("capability_too_low"), PLACE],
+        (FLASH, TW, None, "cuda:0"),
     ),
     (
-        "paged| prefix is the same kernel",
+        "paged| prefix keeps its path",
         machine(None, flash=None),
         req(attn_implementation="paged|flash_attention_2"),
         S,
-        [("flash-unusable", "backend_fallback", "package_missing")],
-        ("sdpa", None, None),
+        [twins("package_missing")],
+        ("paged|flash_attention_2", TW, None, None),
+    ),
+    (
+        "twins do not cover this transformers: transformers' sdpa",
+        machine(None, flash=None),
+        req(flash_path_on_twins=False),
+        S,
+        [unusable("package_missing")],
+        ("sdpa", None, None, None),
+    ),
+    (
+        "twins do not cover it and the model has no sdpa (Gemma 2 on 5.x): eager",
+        machine(None, flash=None),
+        req(flash_path_on_twins=False, supports_sdpa=False),
+        S,
+        [unusable("package_missing")],
+        ("eager", None, None, None),
+    ),
+    (
+        "Gemma 2 on 5.x (no sdpa) with the twins: flash's own path",
+        machine(None, flash=None),
+        req(supports_sdpa=False),
+        S,
+        [twins("package_missing")],
+        (FLASH, TW, None, None),
+    ),
+    (
+        "ATTNGUARD_FALLBACK=eager first",
+        machine(None, flash=None),
+        req(),
+        Settings(fallback=("eager", "sdpa")),
+        [unusable("package_missing")],
+        ("eager", None, None, None),
     ),
     (
         "model class without flash support",
@@ -256,7 +392,7 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(dtype="bfloat16", device_map={"": 0}, supports_flash=False),
         S,
         [("flash-unsupported", "backend_fallback", "model_unsupported")],
-        ("sdpa", None, None),
+        ("sdpa", None, None, None),
     ),
     (
         "no usable fallback backend",
@@ -264,15 +400,15 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(),
         Settings(fallback=("flex_attention",)),
         [("no-fallback", "observed", "no_fallback_usable")],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
         "fallback list skips an unusable entry",
         machine(None, installed_extra={"flex_attention": F.PackageState(True, import_error="x")}),
         req(),
         Settings(fallback=("flex_attention", "eager")),
-        [("flash-unusable", "backend_fallback", "no_cuda")],
-        ("eager", None, None),
+        [unusable("no_cuda")],
+        ("eager", None, None, None),
     ),
     # --- deliberate init, quantized, explicit placement: observe only -----------------------------
     (
@@ -280,22 +416,16 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         machine("H100", init=F.InitContext(zero3=True)),
         req(),
         S,
-        [
-            ("deliberate-init", "observed", "zero3_init"),
-            ("deliberate-init", "observed", "zero3_init"),
-        ],
-        (FLASH, None, None),
+        [("deliberate-init", "observed", "zero3_init")] * 2,
+        (FLASH, None, None, None),
     ),
     (
         "H100 fp32 under FSDP",
         machine("H100", init=F.InitContext(fsdp=True)),
         req(),
         S,
-        [
-            ("deliberate-init", "observed", "fsdp_init"),
-            ("deliberate-init", "observed", "fsdp_init"),
-        ],
-        (FLASH, None, None),
+        [("deliberate-init", "observed", "fsdp_init")] * 2,
+        (FLASH, None, None, None),
     ),
     (
         "H100 bf16 under meta init",
@@ -303,49 +433,23 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(dtype="bfloat16"),
         S,
         [("deliberate-init", "observed", "meta_init")],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
         "no GPU under ZeRO-3: the backend still falls back (no move, no cast)",
         machine(None, flash=None, init=F.InitContext(zero3=True)),
         req(),
         S,
-        [("flash-unusable", "backend_fallback", "package_missing")],
-        ("sdpa", None, None),
+        [twins("package_missing")],
+        (FLASH, TW, None, None),
     ),
     (
         "H100 fp32 quantized",
         machine("H100"),
         req(quantized=True),
         S,
-        [("quantized", "observed", "quantized"), ("quantized", "observed", "quantized")],
-        (FLASH, None, None),
-    ),
-    (
-        "H100 fp32 explicit device_map=auto (one process)",
-        machine("H100"),
-        req(device_map="auto"),
-        S,
-        [("explicit-placement", "observed", "explicit_placement")],
-        (FLASH, None, None),
-    ),
-    (
-        "H100 bf16 explicit device_map: nothing wrong",
-        machine("H100"),
-        req(dtype="bfloat16", device_map={"": "cuda:0"}),
-        S,
-        [],
-        (FLASH, None, None),
-    ),
-    (
-        "H100 fp32 tp_plan",
-        machine("H100"),
-        req(placement="tp_plan"),
-        S,
-        [
-            ("explicit-placement", "observed", "explicit_placement"),
-        ],
-        (FLASH, None, None),
+        [("quantized", "observed", "quantized")] * 2,
+        (FLASH, None, None, None),
     ),
     (
         "H100 default device already cuda: nothing to place",
@@ -353,15 +457,23 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(dtype="bfloat16"),
         S,
         [],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
-        "accelerate missing: no device_map placement",
+        "accelerate missing: no device_map placement, no cast",
         machine("H100", accelerate=False),
-        req(dtype="bfloat16"),
+        req(),
         S,
         [("place-impossible", "observed", "accelerate_missing")],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
+    ),
+    (
+        "a model larger than the GPU is not placed",
+        machine("H100", gpu_memory=80 * 2**30),
+        req(dtype="bfloat16", model_bytes=100 * 2**30),
+        S,
+        [("place-impossible", "observed", "model_too_large")],
+        (FLASH, None, None, None),
     ),
     (
         "LOCAL_RANK beyond the visible GPUs",
@@ -369,23 +481,23 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(dtype="bfloat16"),
         S,
         [("place-impossible", "observed", "no_gpu_for_rank")],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
         "LOCAL_RANK 1 of 2 GPUs",
         machine("H100", n=2, launch=F.Launch(1, 1, 2)),
         req(dtype="bfloat16"),
         S,
-        [("place-gpu", "model_placed", "flash_needs_gpu")],
-        (FLASH, None, "cuda:1"),
+        [PLACE],
+        (FLASH, None, None, "cuda:1"),
     ),
     (
         "LOCAL_RANK 3 with one visible GPU (CUDA_VISIBLE_DEVICES per rank)",
         machine("H100", launch=F.Launch(3, 3, 4)),
         req(dtype="bfloat16"),
         S,
-        [("place-gpu", "model_placed", "flash_needs_gpu")],
-        (FLASH, None, "cuda:0"),
+        [PLACE],
+        (FLASH, None, None, "cuda:0"),
     ),
     # --- built models (guard_model) ----------------------------------------------------------------
     (
@@ -393,11 +505,8 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         machine("A100"),
         req(site="transformers.init", device="cpu", dtype="float32"),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        (FLASH, None, "bfloat16", "cuda:0"),
     ),
     (
         "built on the GPU in bf16",
@@ -405,66 +514,70 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(site="transformers.init", device="cuda:0", dtype="bfloat16"),
         S,
         [],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
         "built on meta",
         machine("A100"),
         req(site="transformers.init", device="meta", dtype="float32"),
         S,
-        [
-            ("deliberate-init", "observed", "meta_init"),
-        ],
-        (FLASH, None, None),
+        [("deliberate-init", "observed", "meta_init")],
+        (FLASH, None, None, None),
     ),
     (
         "built under accelerate hooks",
         machine("A100"),
         req(site="transformers.init", device="cpu", dtype="float32", placement="accelerate hooks"),
         S,
-        [
-            ("explicit-placement", "observed", "explicit_placement"),
-        ],
-        (FLASH, None, None),
+        [("explicit-placement", "observed", "explicit_placement")],
+        (FLASH, None, None, None),
     ),
     # --- VLM per-sub-config requests -----------------------------------------------------------------
     (
-        "dict: only the flash sub-config falls back",
+        "dict: the flash sub-config keeps flash's path on the twins",
         machine(None, flash=None),
         req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
         S,
-        [("flash-unusable", "backend_fallback", "package_missing")],
-        ({"text_config": "sdpa", "vision_config": "sdpa"}, None, None),
+        [twins("package_missing")],
+        ({"text_config": FLASH, "vision_config": "sdpa"}, TW, None, None),
+    ),
+    (
+        "dict without twins: only the flash sub-config falls back",
+        machine(None, flash=None),
+        req(
+            attn_implementation={"text_config": FLASH, "vision_config": "sdpa"},
+            flash_path_on_twins=False,
+        ),
+        S,
+        [unusable("package_missing")],
+        ({"text_config": "sdpa", "vision_config": "sdpa"}, None, None, None),
     ),
     (
         "dict: two flash sub-configs, two decisions",
         machine(None, flash=None),
-        req(attn_implementation={"": FLASH, "vision_config": FLASH, "text_config": "eager"}),
+        req(
+            attn_implementation={"": FLASH, "vision_config": FLASH, "text_config": "eager"},
+            flash_path_on_twins=False,
+        ),
         S,
-        [
-            ("flash-unusable", "backend_fallback", "package_missing"),
-            ("flash-unusable", "backend_fallback", "package_missing"),
-        ],
-        ({"": "sdpa", "vision_config": "sdpa", "text_config": "eager"}, None, None),
+        [unusable("package_missing")] * 2,
+        ({"": "sdpa", "vision_config": "sdpa", "text_config": "eager"}, None, None, None),
     ),
     (
         "dict on H100: the flash text tower makes the model half",
         machine("H100"),
         req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
         S,
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        ({"text_config": FLASH, "vision_config": "sdpa"}, "bfloat16", "cuda:0"),
+        [PLACE, CAST_H100],
+        ({"text_config": FLASH, "vision_config": "sdpa"}, None, "bfloat16", "cuda:0"),
     ),
     (
         "dict on H100, fp32_policy=fallback: only the flash entry changes",
         machine("H100"),
         req(attn_implementation={"text_config": FLASH, "vision_config": "eager"}),
         Settings(fp32_policy="fallback"),
-        [("fp32-fallback", "backend_fallback", "flash_needs_half")],
-        ({"text_config": "sdpa", "vision_config": "eager"}, None, None),
+        [PLACE, ("fp32-fallback", "backend_fallback", "flash_needs_half")],
+        ({"text_config": "sdpa", "vision_config": "eager"}, None, None, "cuda:0"),
     ),
     # --- disabled remedies -------------------------------------------------------------------------
     (
@@ -473,51 +586,39 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(),
         Settings(disable=frozenset({"fallback"})),
         [("remedy-disabled", "observed", "package_missing")],
-        (FLASH, None, None),
+        (FLASH, None, None, None),
     ),
     (
         "cast disabled",
         machine("H100"),
         req(),
         Settings(disable=frozenset({"cast"})),
-        [
-            ("remedy-disabled", "observed", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, None, "cuda:0"),
+        [PLACE, ("remedy-disabled", "observed", "flash_needs_half")],
+        (FLASH, None, None, "cuda:0"),
     ),
     (
-        "place disabled",
+        "place disabled: stays on the CPU, so no cast either",
         machine("H100"),
         req(),
         Settings(disable=frozenset({"place"})),
-        [
-            ("fp32-cast", "model_cast", "flash_needs_half"),
-            ("remedy-disabled", "observed", "flash_needs_gpu"),
-        ],
-        (FLASH, "bfloat16", None),
+        [("remedy-disabled", "observed", "flash_needs_gpu")],
+        (FLASH, None, None, None),
     ),
     (
         "cast disabled on a T4 with bf16",
         machine("T4"),
         req(dtype="bfloat16"),
         Settings(disable=frozenset({"cast"})),
-        [
-            ("flash-unusable", "backend_fallback", "capability_too_low"),
-            ("remedy-disabled", "observed", "no_native_bf16"),
-        ],
-        ("sdpa", None, None),
+        [twins("capability_too_low"), PLACE, ("remedy-disabled", "observed", "no_native_bf16")],
+        (FLASH, TW, None, "cuda:0"),
     ),
     (
         "fallback disabled with fp32_policy=fallback",
         machine("H100"),
         req(),
         Settings(fp32_policy="fallback", disable=frozenset({"fallback"})),
-        [
-            ("remedy-disabled", "observed", "flash_needs_half"),
-            ("place-gpu", "model_placed", "flash_needs_gpu"),
-        ],
-        (FLASH, None, "cuda:0"),
+        [PLACE, ("remedy-disabled", "observed", "flash_needs_half")],
+        (FLASH, None, None, "cuda:0"),
     ),
     # --- family C: several processes with a spreading device_map (attnguard.multigpu) ------------
     (
@@ -526,7 +627,7 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(attn_implementation="sdpa", dtype="bfloat16", device_map="auto"),
         S,
         [("device-map-per-rank", "device_map_rewritten", "device_map_per_rank")],
-        ("sdpa", None, None),
+        ("sdpa", None, None, None),
     ),
     (
         "torchrun x2, device_map=auto, device_map remedy disabled",
@@ -534,17 +635,24 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(attn_implementation="sdpa", dtype="bfloat16", device_map="auto"),
         Settings(disable=frozenset({"device_map"})),
         [("remedy-disabled", "observed", "device_map_per_rank")],
-        ("sdpa", None, None),
+        ("sdpa", None, None, None),
     ),
     # --- nothing wrong ----------------------------------------------------------------------------
-    ("sdpa on H100", machine("H100"), req(attn_implementation="sdpa"), S, [], ("sdpa", None, None)),
+    (
+        "sdpa on H100",
+        machine("H100"),
+        req(attn_implementation="sdpa"),
+        S,
+        [],
+        ("sdpa", None, None, None),
+    ),
     (
         "default backend, no GPU",
         machine(None),
         req(attn_implementation=None),
         S,
         [],
-        (None, None, None),
+        (None, None, None, None),
     ),
     (
         "eager in fp32 on V100",
@@ -552,25 +660,28 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         req(attn_implementation="eager"),
         S,
         [],
-        ("eager", None, None),
+        ("eager", None, None, None),
     ),
 ]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_decision_table(case: tuple) -> None:
-    _name, facts, request, settings, expected, (attn, dtype, device) = case
+    _name, facts, request, settings, expected, (attn, kernels, dtype, device) = case
     plan = plan_load(request, facts, settings)
     assert summary(plan) == expected
     assert plan.attn_implementation == attn
+    assert plan.kernels == kernels
     assert plan.dtype == dtype
     assert plan.device == device
     for action in plan.actions:
-        assert action.reason  # every action says why
+        assert action.reason()  # every action says why
         assert action.rule in {r.id for r in TABLE}
         assert action.event == next(r.event for r in TABLE if r.id == action.rule)
 
 
+@pytest.mark.smoke
 def test_every_table_row_is_exercised() -> None:
     seen = {a.rule for _n, f, r, s, _e, _w in CASES for a in plan_load(r, f, s).actions}
     assert seen == {r.id for r in TABLE}
@@ -586,12 +697,29 @@ def test_rows_declare_their_remedy_names() -> None:
 
 def test_reasons_name_the_hardware_and_the_cause() -> None:
     plan = plan_load(req(dtype="bfloat16"), machine("V100"), S)
-    fallback, cast = plan.actions
-    assert "7.0" in fallback.reason and "8.0" in fallback.reason and "sdpa" in fallback.reason
-    assert "V100" in cast.reason and "float16" in cast.reason
+    fallback, _place, cast = plan.actions
+    assert "7.0" in fallback.reason() and "8.0" in fallback.reason()
+    assert "SDPA twins" in fallback.reason()
+    assert "V100" in cast.reason() and "float16" in cast.reason()
     broken = F.PackageState(True, "2.8.3", import_error="ImportError: undefined symbol: _ZN3c10")
-    (action,) = plan_load(req(), machine("H100", flash=broken), S).actions
-    assert "undefined symbol: _ZN3c10" in action.reason
+    (action,) = plan_load(req(), machine(None, flash=broken), S).actions
+    assert "undefined symbol: _ZN3c10" in action.reason()
+
+
+def test_reasons_say_what_each_mode_did() -> None:
+    """fix says what was done; warn and strict say what would have been, never that it was."""
+    (action,) = plan_load(req(), machine(None, flash=None), S).actions
+    assert "attnguard: keep transformers' flash code path" in action.reason("fix")
+    for mode in ("warn", "strict"):
+        text = action.reason(mode)
+        assert "attnguard would keep transformers' flash code path" in text
+        assert f"({mode} mode: not applied)" in text
+    (observed,) = plan_load(
+        req(dtype="float32", dtype_explicit=True), machine("H100", accelerate=False), S
+    ).observations[-1:]
+    assert observed.reason("warn") == observed.reason("fix")  # an observation is one sentence
+    assert "dtype=float32 was passed explicitly" in observed.reason()
+    assert "load with dtype=torch.bfloat16" in observed.reason()
 
 
 def test_device_map_rewrite_uses_the_multigpu_planner() -> None:
@@ -609,7 +737,8 @@ def test_backend_only_planning_ignores_dtype_and_placement() -> None:
     plan = plan_backend(req(), machine("H100"), S)
     assert plan.actions == () and plan.dtype is None and plan.device is None
     plan = plan_backend(req(), machine("V100"), S)
-    assert summary(plan) == [("flash-unusable", "backend_fallback", "capability_too_low")]
+    assert summary(plan) == [("flash-on-sdpa", "backend_fallback", "capability_too_low")]
+    assert plan.kernels == "sdpa" and plan.attn_implementation == FLASH
 
 
 def test_planner_is_pure() -> None:
@@ -634,7 +763,7 @@ def test_effective_dtype() -> None:
 def test_doctor_json_plans_with_the_guard_planner() -> None:
     data = json.loads(doctor.render(as_json=True))
     here = F.current()
-    expected = plan_load(flash_fp32_request(), here, doctor._settings()).as_dict()
+    expected = plan_load(doctor._sample_request(), here, doctor._settings()).as_dict()
     assert data["sample_plan"] == json.loads(json.dumps(expected, default=str))
     assert [r["id"] for r in data["decision_table"]] == [r.id for r in TABLE]
     assert set(data["facts"]["backends"]) == set(F.BACKENDS)
@@ -648,9 +777,9 @@ def test_doctor_text_lists_facts_table_and_plan() -> None:
     for name in F.BACKENDS:
         assert name in text
     assert "Plan for flash_attention_2 + float32 + no device_map" in text
-    plan = plan_load(flash_fp32_request(), F.current(), doctor._settings())
+    plan = plan_load(doctor._sample_request(), F.current(), doctor._settings())
     for action in plan.actions:
-        assert action.reason in text
+        assert action.reason() in text
 
 
 def test_doctor_cli(capsys: Any) -> None:
@@ -664,4 +793,4 @@ def test_synthetic_facts_replace_only_what_they_say() -> None:
     f = machine("A100")
     assert f.native_bf16 and f.backend(FLASH).usable and f.backend("sdpa").usable
     assert not f.backend("xformers").usable
-    assert replace(f, gpus=()).local_gpu is None
+    assert replace(f, hardware=F.Hardware(())).local_gpu is None

@@ -12,38 +12,62 @@ Every path that builds or re-configures a model goes through one of these:
   ``set_attn_implementation``). Only the backend is decided there;
 * ``set_attn_implementation`` (4.54+): a dict request reaches sub-models without the gate.
 
-wrapt FunctionWrappers on the descriptors found in ``PreTrainedModel.__dict__`` (a classmethod
-stays a classmethod, so subclasses bind to themselves); the bodies live in
-:mod:`attnguard.remedies`.
+Plain wrappers (``functools.wraps``) of the descriptors found in ``PreTrainedModel.__dict__``,
+of the same kind: a classmethod stays a classmethod (subclasses bind to themselves, ``super()``
+works, and ``LlamaForCausalLM.from_pretrained`` is a real bound method that pickles as
+``getattr(LlamaForCausalLM, "from_pretrained")``), an instance method stays a function. No wrapt
+proxies here: they cannot be pickled. The bodies live in :mod:`attnguard.remedies` and are called
+``body(wrapped, cls_or_self, args, kwargs)`` with ``wrapped`` already bound.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+import functools
+import inspect
+from collections.abc import Callable
+from types import MethodType, ModuleType
 from typing import Any
 
-import wrapt
-
 from .. import remedies
-from ..patching import Ledger
+from ..patching import Ledger, report_internal_error
 
 ledger = Ledger("transformers_loading")
 
+Body = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
 # attribute -> wrapper body, patched where PreTrainedModel has the attribute
-_TARGETS = (
+_TARGETS: tuple[tuple[str, Body], ...] = (
     ("from_pretrained", remedies.guarded_from_pretrained),
     ("_from_config", remedies.guarded_from_config),
     ("_autoset_attn_implementation", remedies.guarded_autoset),  # transformers <= 4.53
     ("_check_and_adjust_attn_implementation", remedies.guarded_check_and_adjust),  # >= 4.54
     ("set_attn_implementation", remedies.guarded_set_attn_implementation),  # >= 4.54
+    # transformers' flash-attn availability checks: passed under a flash-on-SDPA-twins decision
+    ("_check_and_enable_flash_attn_2", remedies.guarded_flash_check),  # <= 4.53
+    ("_flash_attn_2_can_dispatch", remedies.guarded_flash_check),  # 4.54 - 5.4
+    ("_flash_attn_3_can_dispatch", remedies.guarded_flash_check),  # 4.54 - 5.4
+    ("_flash_attn_can_dispatch", remedies.guarded_flash_check),  # >= 5.5
 )
 
 
-def _wrapper(body: Any) -> Any:
-    def make(original: Any) -> Any:
-        return wrapt.FunctionWrapper(original, body)
+def wrap_method(original: Any, body: Body) -> Any:
+    """A wrapper of the same descriptor kind as ``original`` (a classmethod or a function)."""
+    if isinstance(original, classmethod):
+        func = original.__func__
 
-    return make
+        @functools.wraps(func)
+        def guarded_classmethod(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return body(MethodType(func, cls), cls, args, kwargs)
+
+        return classmethod(guarded_classmethod)
+    if inspect.isfunction(original):
+
+        @functools.wraps(original)
+        def guarded_method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return body(MethodType(original, self), self, args, kwargs)
+
+        return guarded_method
+    raise TypeError(f"cannot wrap a {type(original).__name__}")
 
 
 def patch(module: ModuleType) -> None:
@@ -52,8 +76,12 @@ def patch(module: ModuleType) -> None:
     if owner is None:
         return
     for attr, body in _TARGETS:
-        if attr in vars(owner):
-            ledger.patch(owner, attr, _wrapper(body))
+        if attr not in vars(owner):
+            continue
+        try:
+            ledger.patch(owner, attr, lambda original, _b=body: wrap_method(original, _b))
+        except Exception as exc:  # an unexpected descriptor: leave that one unguarded
+            report_internal_error(f"transformers.PreTrainedModel.{attr}.patch", exc)
 
 
 def unpatch() -> None:

@@ -1,0 +1,127 @@
+"""Do no harm on real training stacks: ranks of one job reach the same decisions, an explicit
+dtype stands, and sharding / replicating wrappers train exactly as without the guard.
+
+Each case runs the user's program twice under ``torchrun --nproc-per-node=2`` (gloo, CPU): once
+without attnguard and ``attn_implementation="sdpa"`` (flash attention cannot run on this machine,
+so that is what the user would have had to write), once with ``ATTNGUARD=1`` (the start-up hook)
+and ``attn_implementation="flash_attention_2"``, as the stack really asks. The guarded job must
+finish (a hang fails the test by its timeout), report the same losses, keep the dtypes the
+program chose, and every rank must report the same decisions. The worker is
+tests/workers/ranks_worker.py. The two-GPU versions of these runs are in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import PY, REPO, subprocess_env
+
+WORKER = REPO / "tests" / "workers" / "ranks_worker.py"
+FLASH = "flash_attention_2"
+TIMEOUT_S = 420  # a hang in a collective fails the test here
+
+
+def launch(
+    mode: str, path: Path, attn: str, out: Path, guarded: bool, extra: tuple = ()
+) -> dict[int, dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if guarded:
+        env.update(ATTNGUARD="1", ATTNGUARD_LOG=str(out / "events-{rank}.jsonl"))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [str(WORKER), mode, str(path), attn, str(out), *extra]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=str(out)
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+def decisions(out: Path, rank: int) -> list[tuple[str, str, Any]]:
+    """Each rank's events (without the bookkeeping ones), as (event, reason_code, applied)."""
+    lines = (out / f"events-{rank}.jsonl").read_text().splitlines()
+    evts = [json.loads(line) for line in lines if line.strip()]
+    return sorted(
+        (e["event"], e["reason_code"], e.get("applied"))
+        for e in evts
+        if e["event"] not in ("activated", "summary")
+    )
+
+
+def run_both(mode: str, tiny_checkpoint: Any, tmp_path: Path, dtype: str = "float32"):
+    path = tiny_checkpoint("llama", dtype)
+    plain = launch(mode, path, "sdpa", tmp_path / "plain", guarded=False)
+    guarded = launch(mode, path, FLASH, tmp_path / "guarded", guarded=True)
+    return plain, guarded, tmp_path / "guarded"
+
+
+def assert_same_training(plain: dict, guarded: dict) -> None:
+    for rank in (0, 1):
+        # the same math on the same weights: flash's code path on the SDPA twins computes what
+        # transformers' sdpa path computes for an unpadded batch; only summation order may differ
+        assert guarded[rank]["losses"] == pytest.approx(plain[rank]["losses"], rel=1e-4)
+    assert guarded[0]["losses"] == guarded[1]["losses"]  # the ranks hold the same model
+
+
+def assert_ranks_agree(out: Path) -> list[tuple[str, str, Any]]:
+    rank0, rank1 = decisions(out, 0), decisions(out, 1)
+    assert rank0 == rank1, (rank0, rank1)
+    assert not [d for d in rank0 if d[0] == "model_cast"]  # never a dtype change with ranks
+    return rank0
+
+
+def test_verl_actor_fsdp2_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """verl's actor: rank 0 on the CPU, rank 1 on meta, explicit float32, FSDP2 with bf16 mixed
+    precision, rank 0's weights broadcast. Unguarded with flash requested it would not load here;
+    guarded it trains like the sdpa run, the weights and AdamW state stay float32."""
+    plain, guarded, out = run_both("verl_fsdp2", tiny_checkpoint, tmp_path)
+    assert_same_training(plain, guarded)
+    for rank in (0, 1):
+        assert guarded[rank]["loaded_dtypes"] == ["float32"]  # the explicit dtype stands
+        assert guarded[rank]["param_dtypes"] == ["float32"]
+        assert guarded[rank]["optimizer_state_dtypes"] == ["float32"]
+        assert guarded[rank]["attn_implementation"] == FLASH  # flash's code path is kept
+    assert guarded[0]["loaded_devices"] == ["cpu"] and guarded[1]["loaded_devices"] == ["meta"]
+    said = assert_ranks_agree(out)
+    assert ("backend_fallback", "package_missing", True) in said or (
+        "backend_fallback",
+        "no_cuda",
+        True,
+    ) in said
+
+
+def test_fsdp2_with_nothing_chosen_trains_as_without_the_guard(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    plain, guarded, out = run_both("fsdp2", tiny_checkpoint, tmp_path)
+    assert_same_training(plain, guarded)
+    for rank in (0, 1):
+        assert guarded[rank]["param_dtypes"] == plain[rank]["param_dtypes"] == ["float32"]
+        assert guarded[rank]["optimizer_state_dtypes"] == ["float32"]
+    assert_ranks_agree(out)
+
+
+def test_ddp_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """A replicating wrapper: on a GPU machine each rank's model is placed on cuda:LOCAL_RANK
+    (tests/gpu); here there is no GPU, so nothing is placed and DDP runs on the CPU."""
+    plain, guarded, out = run_both("ddp", tiny_checkpoint, tmp_path)
+    assert_same_training(plain, guarded)
+    assert_ranks_agree(out)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+)
+def test_deepspeed_zero3_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """The real DeepSpeed package, ZeRO-3 through HfDeepSpeedConfig: the parameters are
+    partitioned by DeepSpeed with the guard on, and training matches the unguarded run."""
+    plain, guarded, out = run_both("zero3", tiny_checkpoint, tmp_path)
+    assert guarded[0]["partitioned"] and guarded[1]["partitioned"]
+    assert_same_training(plain, guarded)
+    said = assert_ranks_agree(out)
+    assert all(d[0] in ("backend_fallback", "observed") for d in said)
