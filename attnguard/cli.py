@@ -19,10 +19,12 @@ def _run(cmd: Sequence[str]) -> int:
         )
         return 2
     from .config import load
+    from .runtime import PARENT_VAR
 
     # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child.
     load()
     env = dict(os.environ, ATTNGUARD="1")
+    env.pop(PARENT_VAR, None)  # the command is a program of its own, never a guarded helper
     exe = shutil.which(cmd[0], path=env.get("PATH"))
     if exe is None:
         print(f"attnguard run: command not found: {cmd[0]}", file=sys.stderr)
@@ -32,8 +34,20 @@ def _run(cmd: Sequence[str]) -> int:
     os.execvpe(exe, list(cmd), env)  # replaces this process: the exit code is the command's
 
 
+def _version() -> str:
+    try:
+        from importlib import metadata
+
+        return metadata.version("attnguard")
+    except Exception:
+        from . import __version__
+
+        return __version__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnguard", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"attnguard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a command with ATTNGUARD=1")
     p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
@@ -53,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from .summary import render_files
 
-        print(render_files(args.files, as_json=args.json))
+        print(render_files(args.files, as_json=args.json))  # no readable input: ValueError
         return 0
     except ValueError as exc:
         print(str(exc), file=sys.stderr)

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODES = ("fix", "warn", "strict", "off")
-LOG_FORMATS = ("json", "console")
+LOG_FORMATS = ("auto", "json", "console")
+# Threshold of the text streams (stderr, files). auto: warning on stderr, info in a file.
+LOG_LEVELS = ("auto", "info", "warning", "error")
+LOG_TARGETS_HELP = (
+    "stderr | none | a file path in a writable directory (placeholders {rank} and {pid} only, "
+    "an int format spec such as {rank:03d} allowed) | stderr,<file path>"
+)
 DTYPES = ("auto", "bf16", "fp16")
 FP32_POLICIES = ("cast", "fallback")
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
@@ -45,7 +51,9 @@ class Settings:
     mode: str = "fix"
     disable: frozenset[str] = field(default_factory=frozenset)
     log: str = "stderr"
-    log_format: str = "console"
+    log_format: str = "auto"
+    log_level: str = "auto"
+    console_ranks: tuple[int, ...] | None = None  # None: every rank
     dtype: str = "auto"
     fallback: tuple[str, ...] = ("sdpa", "eager")
     fp32_policy: str = "cast"
@@ -59,11 +67,38 @@ class Settings:
         """True in the modes that apply remedies (fix); warn/strict/off change nothing."""
         return self.mode == "fix" and self.enabled
 
+    @property
+    def log_targets(self) -> tuple[str, ...]:
+        """Where the text stream goes: ``"stderr"`` and/or file path templates (none: empty)."""
+        if not self.enabled or self.log == "none":
+            return ()
+        return tuple(t.strip() for t in self.log.split(",") if t.strip())
+
+    def format_for(self, target: str) -> str:
+        """The line format of one target: JSON for files, console for a terminal stderr."""
+        if self.log_format != "auto":
+            return self.log_format
+        if target != "stderr":
+            return "json"  # files are for machines
+        try:
+            import sys
+
+            return "console" if sys.stderr.isatty() else "json"
+        except Exception:
+            return "json"
+
+    def threshold_for(self, target: str) -> str:
+        """The lowest event level written to one target (``ATTNGUARD_LOG_LEVEL``)."""
+        if self.log_level != "auto":
+            return self.log_level
+        return "warning" if target == "stderr" else "info"
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-friendly view, for the ``activated`` event."""
         d = dataclasses.asdict(self)
         d["disable"] = sorted(self.disable)
         d["fallback"] = list(self.fallback)
+        d["console_ranks"] = "all" if self.console_ranks is None else list(self.console_ranks)
         return d
 
 
@@ -96,30 +131,98 @@ def _switch(var: str, value: str) -> bool:
     raise _bad(var, value, "1 | 0")
 
 
-def _log_format_default(log: str) -> str:
-    if log not in ("stderr", "none"):
-        return "json"  # files are for machines
+def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
+    """Why a file target cannot be used, or None. Placeholders first, then the path this
+    process would write (its RANK and pid): not a directory, in a directory we may write to.
+    Nothing is created here; the file is opened when attnguard activates."""
+    import string  # only for file targets: the start-up hook stays light
+
     try:
-        import sys
+        fields = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        return f"malformed placeholder: {exc}"
+    for _, name, spec, conversion in fields:
+        if name is None:
+            continue
+        if name not in ("rank", "pid"):
+            return f"placeholder {{{name}}} is not one of {{rank}}, {{pid}}"
+        if conversion is not None:
+            return f"placeholder {{{name}!{conversion}}} takes no conversion"
+        try:
+            if "{" in (spec or "") or "}" in (spec or ""):
+                raise ValueError
+            format(0, spec or "")
+        except (ValueError, TypeError):
+            return f"{{{name}:{spec}}} has no valid int format spec"
+    try:
+        rank = int(environ.get("RANK", "0") or 0)
+    except ValueError:
+        rank = 0
+    try:
+        path = template.format(rank=rank, pid=os.getpid())
+    except Exception as exc:  # anything the checks above missed stays a clear error
+        return f"cannot fill in its placeholders ({type(exc).__name__}: {exc})"
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return f"{path} is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        up = os.path.dirname(parent)
+        if up == parent:
+            break
+        parent = up
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable"
+    return None
 
-        return "console" if sys.stderr.isatty() else "json"
-    except Exception:
-        return "json"
 
-
-def _validate_log(var: str, value: str) -> str:
+def _validate_log(var: str, value: str, environ: Mapping[str, str]) -> str:
     v = value.strip()
-    if not v:
-        raise _bad(var, value, "stderr | none | a file path (may contain {rank} and {pid})")
     if v.lower() in ("stderr", "none"):
         return v.lower()
+    targets = [t.strip() for t in v.split(",")]
+    if not v or any(not t for t in targets):
+        raise _bad(var, value, LOG_TARGETS_HELP)
+    seen: list[str] = []
+    for t in targets:
+        if t.lower() == "stderr":
+            t = "stderr"
+        elif t.lower() == "none":
+            raise ValueError(
+                f"attnguard: invalid {var}={value!r} (none cannot be combined with other "
+                f"targets); valid values: {LOG_TARGETS_HELP}"
+            )
+        else:
+            why = _log_problem(t, environ)
+            if why is not None:
+                raise ValueError(
+                    f"attnguard: invalid {var}={value!r} ({why}); valid values: {LOG_TARGETS_HELP}"
+                )
+        if t not in seen:
+            seen.append(t)
+    return ",".join(seen)
+
+
+def _ranks(var: str, value: Any) -> tuple[int, ...] | None:
+    valid = "all | a comma list of ranks, e.g. 0 or 0,8"
+    if isinstance(value, str):
+        if value.strip().lower() == "all":
+            return None
+        items: list[Any] = [s.strip() for s in value.split(",") if s.strip()]
+    elif value is None:
+        return None
+    else:
+        items = list(value) if isinstance(value, (list, tuple, set, frozenset)) else [value]
     try:
-        v.format(rank=0, pid=0)
-    except (KeyError, IndexError, ValueError):
-        raise _bad(
-            var, value, "stderr | none | a file path whose only placeholders are {rank} and {pid}"
-        ) from None
-    return v
+        ranks = sorted({int(r) for r in items})
+    except (TypeError, ValueError):
+        raise _bad(var, value, valid) from None
+    if not ranks or any(r < 0 for r in ranks):
+        raise _bad(var, value, valid)
+    return tuple(ranks)
 
 
 # variable -> Settings field, with its parser
@@ -129,6 +232,8 @@ _ENV = {
     "ATTNGUARD_DISABLE": "disable",
     "ATTNGUARD_LOG": "log",
     "ATTNGUARD_LOG_FORMAT": "log_format",
+    "ATTNGUARD_LOG_LEVEL": "log_level",
+    "ATTNGUARD_CONSOLE_RANKS": "console_ranks",
     "ATTNGUARD_DTYPE": "dtype",
     "ATTNGUARD_FALLBACK": "fallback",
     "ATTNGUARD_FP32_POLICY": "fp32_policy",
@@ -136,7 +241,7 @@ _ENV = {
 _VAR_OF = {f: v for v, f in _ENV.items()}
 
 
-def _parse(fld: str, value: Any) -> Any:
+def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> Any:
     var = _VAR_OF[fld]
     if fld == "enabled":
         return value if isinstance(value, bool) else _switch(var, str(value))
@@ -145,9 +250,13 @@ def _parse(fld: str, value: Any) -> Any:
     if fld == "disable":
         return frozenset(_names(var, value, REMEDIES + INTEGRATIONS))
     if fld == "log":
-        return _validate_log(var, str(value))
+        return _validate_log(var, str(value), os.environ if environ is None else environ)
     if fld == "log_format":
         return _choice(var, str(value), LOG_FORMATS)
+    if fld == "log_level":
+        return _choice(var, str(value), LOG_LEVELS)
+    if fld == "console_ranks":
+        return _ranks(var, value)
     if fld == "dtype":
         return _choice(var, str(value), DTYPES)
     if fld == "fallback":
@@ -173,15 +282,13 @@ def load(
     for var, fld in _ENV.items():
         raw = env.get(var)
         if raw is not None and (raw.strip() or fld in ("enabled", "disable")):
-            values[fld] = _parse(fld, raw)
+            values[fld] = _parse(fld, raw, env)
     for key, value in (overrides or {}).items():
         if key not in _VAR_OF:
             raise ValueError(
                 f"attnguard: unknown setting {key!r}; valid settings: {', '.join(_VAR_OF)}"
             )
-        values[key] = _parse(key, value)
-    if "log_format" not in values:
-        values["log_format"] = _log_format_default(values.get("log", "stderr"))
+        values[key] = _parse(key, value, env)
     if values.get("mode") == "off":
         values["enabled"] = False
     return Settings(**values)

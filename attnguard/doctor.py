@@ -10,6 +10,7 @@ from typing import Any
 
 from . import facts as facts_mod
 from .config import Settings, load
+from .patches import transformers_kernels
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
 
@@ -27,7 +28,7 @@ def collect() -> dict[str, Any]:
 
     facts = facts_mod.current()
     settings = _settings()
-    plan = plan_load(flash_fp32_request(), facts, settings)
+    plan = plan_load(_sample_request(), facts, settings)
     return {
         "versions": versions(),
         "settings": settings.as_dict(),
@@ -36,6 +37,12 @@ def collect() -> dict[str, Any]:
         "sample_request": "flash_attention_2 + float32 + no device_map",
         "sample_plan": plan.as_dict(),
     }
+
+
+def _sample_request() -> Any:
+    """flash_attention_2 + float32 + no device_map, for a model whose flash path this release's
+    SDPA twins cover (a registry-based model such as Llama or Qwen2)."""
+    return flash_fp32_request(flash_path_on_twins=transformers_kernels.covers())
 
 
 def _rows(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -55,9 +62,10 @@ def _plan_lines(plan: Plan) -> list[str]:
     out = []
     for a in plan.actions:
         verb = "would apply" if a.applies else "observe"
-        out.append(f"  [{a.rule}] {a.event} ({a.reason_code}) {verb}: {a.reason}")
+        out.append(f"  [{a.rule}] {a.event} ({a.reason_code}) {verb}: {a.reason()}")
     load_with = {
         "attn_implementation": plan.attn_implementation,
+        "kernels": plan.kernels or "as requested",
         "dtype": plan.dtype or plan.request.effective_dtype,
         "device": plan.device or "unchanged",
     }
@@ -117,5 +125,5 @@ def render(as_json: bool = False) -> str:
     for r in TABLE:
         lines.append(f"  {r.id}: when {r.when} -> {r.then}")
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
-    lines += _plan_lines(plan_load(flash_fp32_request(), facts, settings))
+    lines += _plan_lines(plan_load(_sample_request(), facts, settings))
     return "\n".join(lines)

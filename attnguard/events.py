@@ -6,11 +6,21 @@ reason, count) plus event-specific ones. Events go to
 
 * the stdlib logger ``"attnguard"`` with every field as a LogRecord attribute, so whatever handler
   the host app installed (an OpenTelemetry LoggingHandler included) receives them;
-* a JSON-lines or console stream: stderr or a per-rank file (``ATTNGUARD_LOG``).
+* JSON-lines or console streams: stderr and/or a per-rank file (``ATTNGUARD_LOG``), each with a
+  level threshold (``ATTNGUARD_LOG_LEVEL``: by default warnings and errors on stderr, everything
+  in a file); stderr lines only from the ranks of ``ATTNGUARD_CONSOLE_RANKS``.
 
 We never call ``structlog.configure`` or ``logging.basicConfig``: the host app owns global logging.
-The same (event, site, reason_code) is emitted once; later repeats only bump its counter, which the
-``summary`` event at exit reports.
+The same (event, site, reason_code) is emitted once; later repeats only bump its counters (every
+occurrence is counted as applied, would-have or observed), which the ``summary`` at exit reports.
+
+Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
+and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
+line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
+
+Helper processes (DataLoader workers, tools such as ``pip`` run by a guarded program: children that
+share their parent's rank) stay quiet: no ``activated``, and a summary only when they changed (or
+would have changed) something; their events carry ``helper: true``.
 """
 
 from __future__ import annotations
@@ -23,12 +33,12 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import IO, Any
-
-import structlog
+from typing import Any
 
 from .config import Settings
+from .reasons import known as known_reason
 
 SCHEMA = 1
 
@@ -46,13 +56,20 @@ EVENTS: dict[str, str] = {
     "kernel_error_recovered": "warning",
     "plan_mismatch": "warning",  # after loading, the model is not what the plan said
     "internal_error": "error",  # attnguard itself failed; the original call ran instead
-    "summary": "info",
+    "summary": "info",  # warning when it reports applied changes
 }
 # Events that are never de-duplicated (one per process by construction).
 _UNIQUE = frozenset({"activated", "summary"})
+# Events that report a finding, never a change.
+OBSERVATIONS = frozenset({"observed", "plan_mismatch"})
 _LEVELNO = {"debug": 10, "info": 20, "warning": 30, "error": 40}
-# LogRecord attributes an ``extra`` field must not overwrite.
-_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message"}
+
+# What each occurrence counts as, in the summary.
+KINDS = ("applied", "would_have", "observed", "internal_errors")
+_APPLIED, _WOULD_HAVE, _OBSERVED, _ERROR = range(4)
+
+# When this process imported attnguard: a job-summary rendezvous ignores files older than this.
+STARTED = time.time()
 
 stdlib_logger = logging.getLogger("attnguard")
 # Keeps logging's last-resort handler from printing our records a second time on stderr when the
@@ -131,9 +148,13 @@ class _Fanout:
     """The chain's final "logger": hands the finished event dict to each sink."""
 
     def _dispatch(self, **ed: Any) -> None:
+        console = ed.pop("_console", True)
         for sink in list(_state.sinks):
             try:
-                sink(ed)
+                if isinstance(sink, StreamSink):
+                    sink(ed, console=console)
+                else:
+                    sink(ed)
             except Exception:
                 pass  # a full disk or closed stream must not break the program
 
@@ -141,26 +162,61 @@ class _Fanout:
 
 
 _HOST = socket.gethostname()
-_chain = structlog.wrap_logger(
-    _Fanout(),
-    processors=[
-        _add_context,
-        structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-        lambda _l, _m, ed: ed,  # a dict: passed to _Fanout as keyword arguments
-    ],
-    wrapper_class=structlog.BoundLogger,
-)
+_chain: Any = None
+
+
+def _get_chain() -> Any:
+    """The private structlog chain, built at the first emitted event: structlog (and what it
+    imports, rich among them when installed) costs a process that never emits nothing."""
+    global _chain
+    if _chain is None:
+        import structlog
+
+        _chain = structlog.wrap_logger(
+            _Fanout(),
+            processors=[
+                _add_context,
+                structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+                lambda _l, _m, ed: ed,  # a dict: passed to _Fanout as keyword arguments
+            ],
+            wrapper_class=structlog.BoundLogger,
+        )
+    return _chain
 
 
 # --- sinks ---------------------------------------------------------------------------------------
 
 
 def _to_stdlib(ed: dict[str, Any]) -> None:
+    """One LogRecord per event, every field an attribute. A field whose name the record already
+    has (a standard attribute, or one the app's record factory sets, such as ``rank``) is
+    stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead."""
     levelno = _LEVELNO.get(ed["level"], 20)
     if not stdlib_logger.isEnabledFor(levelno):
         return
-    extra = {(f"ag_{k}" if k in _RECORD_ATTRS else k): v for k, v in ed.items()}
-    stdlib_logger.log(levelno, "%s: %s", ed["event"], ed.get("reason") or "", extra=extra)
+    try:
+        fn, lno, func, _ = stdlib_logger.findCaller()
+    except Exception:
+        fn, lno, func = __file__, 0, "_to_stdlib"
+    record = stdlib_logger.makeRecord(
+        stdlib_logger.name,
+        levelno,
+        fn,
+        lno,
+        "%s: %s",
+        (ed["event"], ed.get("reason") or ""),
+        None,
+        func,
+    )
+    attrs = record.__dict__
+    taken = set(attrs) | {"message", "asctime"}
+    for key, value in ed.items():
+        name = key
+        while name in taken:
+            name = f"ag_{name}"
+        attrs[name] = value
+        taken.add(name)
+    stdlib_logger.handle(record)
 
 
 def render_json(ed: dict[str, Any]) -> str:
@@ -194,37 +250,101 @@ def render_console(ed: dict[str, Any]) -> str:
     )
 
 
-class StreamSink:
-    """Writes rendered events to stderr or to a (per-rank) file, one line each."""
+def _write_all(write: Callable[[Any], Any], data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = write(view)
+        if not n:  # None: a non-blocking stream that is full; give the line up
+            return
+        view = view[n:]
 
-    def __init__(self, target: str, fmt: str) -> None:
+
+class StreamSink:
+    """Writes rendered events at or above ``threshold`` to stderr or a (per-rank) file.
+
+    ``ranks``: stderr lines only from these ranks (None: all). ``eager``: open the file now, so
+    an unusable path is a clear error at activation (helpers open it at their first line only).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        fmt: str,
+        threshold: str = "info",
+        ranks: tuple[int, ...] | None = None,
+        eager: bool = False,
+    ) -> None:
         self.target = target
         self.render = render_json if fmt == "json" else render_console
-        self._file: IO[str] | None = None
+        self.threshold = _LEVELNO.get(threshold, 20)
+        self.ranks = ranks
+        self._fd: int | None = None
+        self._broken = False  # a file that failed once is not written again
+        self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
         self._lock = threading.Lock()
+        if eager and target != "stderr":
+            self._open()
 
     def path(self) -> str:
         ctx = launch_context()
         return self.target.format(rank=ctx["rank"], pid=os.getpid())
 
-    def __call__(self, ed: dict[str, Any]) -> None:
+    def _open(self) -> int:
+        if self._fd is None:
+            p = self.path()
+            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+            self._fd = os.open(p, flags, 0o666)
+        return self._fd
+
+    def wants(self, ed: dict[str, Any], console: bool = True) -> bool:
+        if _LEVELNO.get(ed.get("level", "info"), 20) < self.threshold:
+            return False
+        if self.target != "stderr":
+            return True
+        return console and (self.ranks is None or ed.get("rank") in self.ranks)
+
+    def __call__(self, ed: dict[str, Any], console: bool = True) -> None:
+        if not self.wants(ed, console):
+            return
         line = self.render(ed) + "\n"
         with self._lock:
             if self.target == "stderr":
-                sys.stderr.write(line)
-                sys.stderr.flush()
-                return
-            if self._file is None:
-                p = self.path()
-                os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-                self._file = open(p, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
-            self._file.write(line)
+                self._to_stderr(line)
+            elif not self._broken:
+                try:
+                    _write_all(lambda b: os.write(self._open(), b), line.encode("utf-8"))
+                except OSError:
+                    self._broken = True  # full disk, file gone: stop, never raise
+                    self._close()
+
+    def _to_stderr(self, line: str) -> None:
+        stream = sys.stderr
+        if stream is None or stream is self._dead_stream:
+            return
+        # The program's pending output first (its order is kept), then ours, past its buffer.
+        with contextlib.suppress(Exception):
+            stream.flush()
+        raw = getattr(getattr(stream, "buffer", None), "raw", None)
+        try:
+            if raw is not None and callable(getattr(raw, "write", None)):
+                enc = getattr(stream, "encoding", None) or "utf-8"
+                _write_all(raw.write, line.encode(enc, "backslashreplace"))
+            else:
+                stream.write(line)
+                stream.flush()
+        except Exception:
+            self._dead_stream = stream
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            self._close()
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -236,45 +356,146 @@ class _State:
         self.lock = threading.Lock()
         # (event, site, reason_code) -> count
         self.counts: dict[tuple[str, str | None, str | None], int] = {}
-        self.stream: StreamSink | None = None
-        self.sinks: list[Callable[[dict[str, Any]], None]] = [_to_stdlib]
+        # (event, site, reason_code) -> [applied, would_have, observed, internal_errors]
+        self.kinds: dict[tuple[str, str | None, str | None], list[int]] = {}
+        self.streams: list[StreamSink] = []
+        self.sinks: list[Callable[..., None]] = [_to_stdlib]
         self.summary_registered = False
+        self.helper = False  # a child of a guarded process that is not a rank of its own
+        self.main_pid: int | None = None  # the process that activated (a fork is a helper)
+        self.announced: Settings | None = None  # the settings the last ``activated`` reported
 
 
 _state = _State()
 
 
-def configure_sinks(settings: Settings) -> None:
-    """(Re)build the stream sink from settings; the stdlib sink is always on."""
-    _state.settings = settings
-    if _state.stream is not None:
-        _state.stream.close()
+def _after_fork_in_child() -> None:
+    """A fork made while another thread held one of our locks must not hang on it."""
+    _state.lock = threading.Lock()
+    for sink in _state.streams:
+        sink._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def set_helper(helper: bool) -> None:
+    """Mark this process as a helper (or not); called by activation."""
+    _state.helper = helper
+    _state.main_pid = os.getpid()
+
+
+def marked() -> bool:
+    """True once activation has decided whether this process is a helper."""
+    return _state.main_pid is not None
+
+
+def announce(settings: Settings) -> bool:
+    """True when ``activated`` should be emitted for ``settings``: once per process, and again
+    only for different settings."""
+    with _state.lock:
+        if _state.announced == settings:
+            return False
+        _state.announced = settings
+        return True
+
+
+def is_helper() -> bool:
+    """True in a helper process: marked at activation, or forked from the guarded process."""
+    return _state.helper or (_state.main_pid is not None and _state.main_pid != os.getpid())
+
+
+def configure_sinks(settings: Settings, eager: bool = False) -> None:
+    """(Re)build the stream sinks from settings; the stdlib sink is always on.
+
+    ``eager``: open log files now; an unusable path raises ValueError naming ATTNGUARD_LOG.
+    """
+    new: list[StreamSink] = []
+    for target in settings.log_targets:
+        try:
+            new.append(
+                StreamSink(
+                    target,
+                    settings.format_for(target),
+                    settings.threshold_for(target),
+                    settings.console_ranks,
+                    eager=eager,
+                )
+            )
+        except OSError as exc:
+            for sink in new:
+                sink.close()
+            from .config import LOG_TARGETS_HELP
+
+            raise ValueError(
+                f"attnguard: invalid ATTNGUARD_LOG={settings.log!r} (cannot write "
+                f"{exc.filename or target}: {exc.strerror or exc}); valid values: "
+                f"{LOG_TARGETS_HELP}"
+            ) from None
+    for old in _state.streams:
+        old.close()
         with contextlib.suppress(ValueError):
-            _state.sinks.remove(_state.stream)
-        _state.stream = None
-    if settings.enabled and settings.log != "none":
-        _state.stream = StreamSink(settings.log, settings.log_format)
-        _state.sinks.append(_state.stream)
+            _state.sinks.remove(old)
+    _state.settings = settings
+    _state.streams = new
+    _state.sinks.extend(new)
+
+
+def _kind(event: str, applied: Any) -> int | None:
+    if event in _UNIQUE:
+        return None
+    if event == "internal_error":
+        return _ERROR
+    if event in OBSERVATIONS:
+        return _OBSERVED  # a finding, even when it says ``applied: false``
+    if applied is not None:
+        return _APPLIED if applied else _WOULD_HAVE
+    return _APPLIED if _state.settings.changes_things else _WOULD_HAVE
 
 
 def emit(
-    event: str, *, site: str | None = None, reason_code: str | None = None, **fields: Any
+    event: str,
+    *,
+    site: str | None = None,
+    reason_code: str | None = None,
+    level: str | None = None,
+    console: bool = True,
+    **fields: Any,
 ) -> bool:
     """Record one occurrence; emit it the first time this (event, site, reason_code) is seen.
+
+    Every occurrence is counted (``count``) and classified by its ``applied`` field: True (a
+    change made), False (a change warn/strict mode did not make: "would have"), or absent (an
+    observation for ``observed`` / ``plan_mismatch``, an error for ``internal_error``, otherwise
+    what the mode does). ``level`` overrides the event's level; ``console=False`` keeps it off
+    stderr (files and the logger still get it).
 
     Returns True when the event was emitted. Never called inside a torch.compile trace: callers
     on the hot path record before or after the traced region.
     """
-    level = EVENTS.get(event)
-    if level is None:
+    default = EVENTS.get(event)
+    if default is None:
         raise ValueError(f"attnguard: unknown event {event!r}; valid events: {', '.join(EVENTS)}")
+    if not known_reason(event, reason_code):
+        raise ValueError(f"attnguard: unknown reason_code {reason_code!r} (attnguard.reasons)")
     key = (event, site, reason_code)
+    kind = _kind(event, fields.get("applied"))
     with _state.lock:
         count = _state.counts.get(key, 0) + 1
         _state.counts[key] = count
+        if kind is not None:
+            tally = _state.kinds.get(key)
+            if tally is None:
+                tally = _state.kinds[key] = [0, 0, 0, 0]
+            tally[kind] += 1
     if count > 1 and event not in _UNIQUE:
         return False
-    getattr(_chain, level)(event, site=site, reason_code=reason_code, count=count, **fields)
+    if is_helper():
+        fields["helper"] = True
+    getattr(_get_chain(), level if level in _LEVELNO else default)(
+        event, site=site, reason_code=reason_code, count=count, _console=console, **fields
+    )
     return True
 
 
@@ -284,11 +505,21 @@ def counts() -> dict[tuple[str, str | None, str | None], int]:
         return dict(_state.counts)
 
 
+def kind_counts() -> dict[tuple[str, str | None, str | None], dict[str, int]]:
+    """Per (event, site, reason_code): how many occurrences were applied, would-have (not
+    applied: warn/strict mode, or a disabled remedy), observations, internal errors."""
+    with _state.lock:
+        return {k: dict(zip(KINDS, v, strict=True)) for k, v in _state.kinds.items()}
+
+
 def summary_fields() -> dict[str, Any]:
-    """Counts per event and per reason, without the bookkeeping events."""
+    """Totals per kind (applied / would_have / observed / internal_errors), counts per event
+    and per reason, and the sites; without the bookkeeping events."""
     per_event: dict[str, int] = {}
     per_reason: dict[str, int] = {}
     sites: dict[str, list[str]] = {}
+    totals = dict.fromkeys(KINDS, 0)
+    kinds = kind_counts()
     for (event, site, reason), n in counts().items():
         if event in _UNIQUE:
             continue
@@ -299,24 +530,22 @@ def summary_fields() -> dict[str, Any]:
             sites.setdefault(event, [])
             if site not in sites[event]:
                 sites[event].append(site)
-    interventions = sum(n for e, n in per_event.items() if e not in ("observed",))
-    return {
-        "interventions": interventions,
-        "events": per_event,
-        "reasons": per_reason,
-        "sites": sites,
-    }
+        for k, v in kinds.get((event, site, reason), {}).items():
+            totals[k] += v
+    return {**totals, "events": per_event, "reasons": per_reason, "sites": sites}
 
 
 def _at_exit() -> None:
-    if _state.settings.enabled:
-        with contextlib.suppress(Exception):
-            # one job-wide summary from rank 0 when torch.distributed is up, else this process's
+    # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
+    with contextlib.suppress(BaseException):
+        if _state.settings.enabled:
+            # one job-wide summary from rank 0 under a launcher, else this process's own
             from .summary import emit_exit_summary
 
             emit_exit_summary()
-    if _state.stream is not None:
-        _state.stream.close()
+    with contextlib.suppress(BaseException):
+        for sink in _state.streams:
+            sink.close()
 
 
 def register_exit_summary() -> None:
@@ -327,9 +556,12 @@ def register_exit_summary() -> None:
 
 
 def reset_counts() -> None:
-    """Forget counts (tests, and a fresh activate after deactivate keeps its history otherwise)."""
+    """Forget counts and the last activation announced (tests; a fresh activate after deactivate
+    keeps its history otherwise)."""
     with _state.lock:
         _state.counts.clear()
+        _state.kinds.clear()
+        _state.announced = None
 
 
 @contextlib.contextmanager

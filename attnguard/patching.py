@@ -1,16 +1,21 @@
-"""The patch ledger and the fail-open call helper shared by every integration.
+"""The patch ledger, the fail-open call helper and picklable wrappers, shared by every integration.
 
 A :class:`Ledger` records (owner, attribute or dict key, original, wrapper) for each patch and
-undoes only what is still ours: if someone patched the same attribute after us, we leave their object in place
-rather than clobbering it.
+undoes only what is still ours: if someone patched the same attribute after us, we leave their
+object in place rather than clobbering it.
 
 :func:`fail_open` runs a guard around an original callable: an error raised by attnguard's own code
 is reported once as ``internal_error`` and the unmodified original call runs instead; an error
 raised by the original itself propagates untouched.
+
+:func:`make_picklable` lets a call-time wrapper be pickled by reference like the function it
+wraps (``ProcessPoolExecutor``, ``torch.multiprocessing``, ``pickle.dumps`` of a registry entry).
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +72,7 @@ class Ledger:
             if any(r.owner is owner and r.attr == attr for r in self.records):
                 return getattr(owner, attr)  # already ours: patching is idempotent
             own = vars(owner).get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-            original = own if own is not _MISSING else getattr(owner, attr)
+            original = own if own is not _MISSING else getattr(owner, attr, None)
             wrapper = make(original)
             setattr(owner, attr, wrapper)
             self.records.append(PatchRecord(owner, attr, own, wrapper))
@@ -123,14 +128,68 @@ class OriginalCall:
 
 
 def report_internal_error(site: str, exc: BaseException) -> None:
-    """One ``internal_error`` event per (site, exception type)."""
-    first = (str(exc).splitlines() or [""])[0][:300]
-    events.emit(
-        "internal_error",
-        site=site,
-        reason_code=type(exc).__name__,
-        reason=f"attnguard failed internally and ran the original call unguarded: {first}",
-    )
+    """One ``internal_error`` event per (site, exception type). Never raises: reporting our own
+    failure must not fail the call it happened in (an exception whose ``str()`` raises, a
+    logging handler that raises)."""
+    try:
+        try:
+            first = (str(exc).splitlines() or [""])[0][:300]
+        except Exception:
+            first = f"<{type(exc).__name__} whose message cannot be read>"
+        events.emit(
+            "internal_error",
+            site=site,
+            reason_code=type(exc).__name__,
+            reason=f"attnguard failed internally and ran the original call unguarded: {first}",
+        )
+    except Exception:
+        pass
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = sys.modules.get(module, _MISSING)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            break
+    return obj
+
+
+def _is_either(obj: Any, a: Any, b: Any) -> bool:
+    return obj is a or obj is b
+
+
+def make_picklable(wrapper: T, original: Any) -> T:
+    """Make a call-time wrapper (a plain closure) picklable by reference; returns ``wrapper``.
+
+    ``functools.wraps`` gives the wrapper the original's ``__module__`` / ``__qualname__``, where
+    pickle finds the original, not the wrapper ("not the same object"). The wrapper is renamed
+    into the tiny top-level module ``_attnguard_hook`` (installed with the package; importing it
+    activates nothing), whose module ``__getattr__`` answers the encoded name with this very
+    wrapper in this process, and in any other process with whatever the original's module path
+    holds there: the original, or that process's own guarded wrapper. Originals that pickle by
+    reference unguarded get this; others (lambdas, local functions) keep their names, so they
+    fail to pickle exactly as they do unguarded. Never raises.
+    """
+    try:
+        hook = importlib.import_module("_attnguard_hook")
+        register = getattr(hook, "register_picklable", None)
+        module = getattr(original, "__module__", None)
+        qualname = getattr(original, "__qualname__", None)
+        if (
+            register is None  # an older start-up hook without the resolver
+            or not isinstance(module, str)
+            or not isinstance(qualname, str)
+            or "<" in qualname
+            or not _is_either(_resolve(module, qualname), original, wrapper)
+        ):
+            return wrapper
+        name = register(wrapper, module, qualname)
+        wrapper.__module__ = hook.__name__  # type: ignore[attr-defined]
+        wrapper.__qualname__ = name  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return wrapper
 
 
 def fail_open(

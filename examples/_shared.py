@@ -96,7 +96,7 @@ def show_plan(title: str, plan: Plan) -> list[str]:
     """Print what the real planner decided for injected facts; returns the actions' events."""
     print(f"\n[planned, not run] {title}:")
     for action in plan.actions:
-        print(f"  {action.event} ({action.reason_code}): {action.reason}")
+        print(f"  {action.event} ({action.reason_code}): {action.reason()}")
     if not plan.actions:
         print("  nothing to change")
     return [a.event for a in plan.actions]

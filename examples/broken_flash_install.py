@@ -6,9 +6,11 @@ fails with "ImportError: .../flash_attn_2_cuda...so: undefined symbol: ..." or "
 attn_implementation="flash_attention_2")`` accepts it on a GPU and the job dies at the first
 attention call. Users uninstalled flash-attn or switched backends by hand.
 
-attnguard: imports the extension for real before deciding; a broken one makes the load fall
-back to SDPA (``backend_fallback``, reason ``extension_broken``), with the import error in the
-reason so the user knows what to reinstall.
+attnguard: imports the extension for real before deciding; with a broken one the load keeps
+transformers' flash code path and attnguard's SDPA twins compute its kernel calls
+(``backend_fallback``, reason ``extension_broken``), with the import error in the reason so the
+user knows what to reinstall. ``from flash_attn import ...`` in your own code keeps failing with
+the same ImportError as without attnguard (README: "flash-attn installed but broken").
 
 Run (needs a broken install on PYTHONPATH; GPU not needed). Build one without CUDA (~15 s):
 

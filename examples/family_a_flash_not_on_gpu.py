@@ -8,9 +8,10 @@ initialized on GPU"; the flash kernels then fail on CPU tensors unless the user 
 ``model.to("cuda")`` or ``device_map={"": local_rank}`` by hand.
 
 attnguard: with flash-attn usable on a GPU, it loads the model straight onto ``cuda:LOCAL_RANK``
-(``model_placed``). Where flash-attn cannot run at all (this CPU laptop), it loads with SDPA
-instead (``backend_fallback``). Under DeepSpeed ZeRO-3 / FSDP it only observes: the CPU build is
-deliberate there.
+(``model_placed``). Where flash-attn cannot run at all (this CPU laptop), it keeps
+transformers' flash code path and computes its kernel calls with attnguard's SDPA twins of the
+flash-attn functions (``backend_fallback``). Under DeepSpeed ZeRO-3 / FSDP it only observes: the
+CPU build is deliberate there.
 
 Run: ``python examples/family_a_flash_not_on_gpu.py`` (or under ``torchrun --nproc-per-node=N``).
 GPU: needed to see the placement itself (with flash-attn installed); on a CPU the example shows

@@ -6,10 +6,11 @@ reads package metadata, never the GPU), and the first forward fails with "Runtim
 FlashAttention only supports Ampere GPUs or newer."; bf16 on a V100 is only emulated (slow).
 Users uninstalled flash-attn, switched to sdpa/eager and trained in fp16 by hand.
 
-attnguard: judges flash-attn by the GPU it would run on. On a V100 it loads with SDPA
-(``backend_fallback``, reason ``capability_too_low``) and in fp16 instead of the emulated bf16
+attnguard: judges flash-attn by the GPU it would run on. On a V100 it keeps transformers'
+flash code path with its kernel calls on attnguard's SDPA twins (``backend_fallback``, reason
+``capability_too_low``), on the GPU (``model_placed``) and in fp16 instead of the emulated bf16
 (``model_cast``, reason ``no_native_bf16``). On this CPU laptop flash-attn cannot run either, so
-the load falls back for real; the V100 decision is shown as planned by attnguard's own planner
+the fallback happens for real; the V100 decision is shown as planned by attnguard's own planner
 with the facts of a V100 injected (``attnguard.facts.synthetic``), not run.
 
 Run: ``python examples/family_b_old_gpu.py``. GPU: not needed (a V100 is needed to see the real

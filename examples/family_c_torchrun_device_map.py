@@ -14,8 +14,9 @@ GPU, a disjoint slice of GPUs per rank; on a model spread over GPUs it aligns ro
 Run on 2 GPUs: ``torchrun --nproc-per-node=2 examples/family_c_torchrun_device_map.py`` (each
 rank prints its own devices and events). GPU: 2 needed for the real run (the GPU suite also runs
 scripts/torchrun_vl.py). On a CPU, or one process, the model loads for real in this process
-(flash-attn cannot run here: SDPA) and the per-rank decision is shown as planned by attnguard's
-planner with the environment a 2-rank torchrun sets, not run.
+(flash-attn cannot run here: its code path runs on attnguard's SDPA twins) and the per-rank
+decision is shown as planned by attnguard's planner with the environment a 2-rank torchrun sets,
+not run. Needs accelerate (``device_map``); without it the example says so and exits.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def plan_ranks(title: str, model_bytes: int | None, n_gpus: int) -> list[str]:
 
 
 def main() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("accelerate") is None:
+        print("family C needs accelerate (device_map): pip install accelerate")
+        return
     rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())  # as VLMEvalKit's run.py

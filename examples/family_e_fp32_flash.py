@@ -8,13 +8,15 @@ only support fp16 and bf16 data type". Users load with a half dtype or use anoth
 
 attnguard: with flash-attn usable on a GPU it injects the load dtype (bf16 where the GPU has it
 natively, else fp16: ``model_cast``) and, with no device_map, loads straight onto the GPU
-(``model_placed``). ATTNGUARD_FP32_POLICY=fallback keeps float32 and uses SDPA instead. Under
-FSDP (verl's actor: float32 master weights on purpose) it only observes. On this CPU laptop
-flash-attn cannot run, so the load falls back to SDPA for real (``backend_fallback``) and the GPU
-decision is shown as planned by attnguard's planner with an H100's facts injected, not run.
+(``model_placed``). ATTNGUARD_FP32_POLICY=fallback keeps float32 and uses SDPA instead. A dtype
+the caller passes (verl's actor: ``torch_dtype=torch.float32``, fp32 master weights on purpose)
+stands, and so does FSDP's: attnguard only observes, and the call-time guard runs each flash call
+in bf16. On this CPU laptop flash-attn cannot run, so the flash code path runs on attnguard's
+SDPA twins for real (``backend_fallback``) and the GPU decision is shown as planned by attnguard's
+planner with an H100's facts injected, not run.
 
 Run: ``python examples/family_e_fp32_flash.py``. GPU: needed (with flash-attn) to see the cast
-and placement for real; the GPU suite runs it with the flash-attn stand-in.
+and placement for real; the GPU suite runs it with the real flash-attn.
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 
 A tiny random Llama is saved and loaded back with ``attn_implementation="flash_attention_2"`` —
 the usual line in training scripts. Without flash-attn (or without a GPU) transformers refuses it
-with an ImportError before the weights load. With attnguard active the model loads with SDPA
-instead, and attnguard says so as a structured event (console on a terminal, JSON otherwise).
+with an ImportError before the weights load. With attnguard active the model loads with
+transformers' flash code path kept and its kernel calls computed by attnguard's SDPA twins of the
+flash-attn functions (the same results flash would give: padding, packed sequences, windows),
+and attnguard says so as one structured event (console on a terminal, JSON otherwise).
 
     python examples/quickstart.py
 """

@@ -3,6 +3,13 @@
 Installed at the top of site-packages and run by ``attnguard.pth`` (every Python) or by
 ``attnguard.start`` (PEP 829, Python >= 3.15). With ATTNGUARD unset or 0 it returns after one
 environment lookup and imports nothing. It never raises: a broken guard must not break Python.
+
+It is also where attnguard's call-time wrappers live for pickle (importing this module activates
+nothing): a wrapper of ``pkg.mod.func`` is pickled by reference as
+``_attnguard_hook."attnguard:pkg/mod:func"``, which the module ``__getattr__`` below answers with
+that very wrapper in the process that made it, and in any other process with that process's own
+wrapper of the same name when it has one, else with whatever ``pkg.mod.func`` is there (the
+original, or its guarded replacement).
 """
 
 import os
@@ -41,3 +48,46 @@ def cli() -> None:
     from attnguard.cli import main
 
     sys.exit(main())
+
+
+# --- pickling call-time wrappers by reference ----------------------------------------------------
+
+_PREFIX = "attnguard:"
+_wrappers: dict = {}  # encoded name -> weak reference to the wrapper this process made
+
+
+def register_picklable(wrapper: object, module: str, qualname: str) -> str:
+    """Name under which ``wrapper`` (guarding ``module.qualname``) pickles; one per live wrapper."""
+    import weakref
+
+    base = _PREFIX + module.replace(".", "/") + ":" + qualname.replace(".", "/")
+    name, n = base, 1
+    while True:
+        ref = _wrappers.get(name)
+        held = ref() if ref is not None else None
+        if held is None or held is wrapper:
+            break
+        n += 1
+        name = f"{base}~{n}"
+    _wrappers[name] = weakref.ref(wrapper)
+    return name
+
+
+def __getattr__(name: str) -> object:
+    if not name.startswith(_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    ref = _wrappers.get(name)
+    held = ref() if ref is not None else None
+    if held is not None:
+        return held  # the pickling process: pickle checks it finds the very object
+    import importlib
+
+    module, _, qualname = name[len(_PREFIX) :].split("~", 1)[0].partition(":")
+    obj: object = importlib.import_module(module.replace("/", "."))
+    ref = _wrappers.get(name)  # the import may have patched it here: this process's own wrapper
+    held = ref() if ref is not None else None
+    if held is not None:
+        return held
+    for part in qualname.split("/"):
+        obj = getattr(obj, part)
+    return obj

@@ -38,6 +38,7 @@ def _ledgers(mod) -> list:
     return out
 
 
+@pytest.mark.smoke
 def test_import_activates_in_a_fresh_process() -> None:
     code = "import attnguard; print(attnguard.is_active(), attnguard.settings().mode)"
     out = subprocess.run(
@@ -63,6 +64,7 @@ def test_import_with_an_invalid_setting_raises_a_clear_error() -> None:
     )
 
 
+@pytest.mark.smoke
 def test_activate_deactivate_activate_restores_and_repatches_by_identity() -> None:
     import transformers.modeling_utils  # noqa: F401  (the integration patches on import)
 

@@ -36,7 +36,9 @@ def test_environment_values_are_read_and_normalised() -> None:
     assert s.disable == {"cast", "place", "xformers"}
     assert not s.allows("cast") and s.allows("fallback")
     assert s.fallback == ("eager", "sdpa")
-    assert s.log_format == "json"  # files default to JSON lines
+    assert s.log_targets == ("/tmp/ag-{rank}-{pid}.jsonl",)
+    assert s.format_for(s.log_targets[0]) == "json"  # files default to JSON lines
+    assert s.threshold_for(s.log_targets[0]) == "info"  # and get every event
 
 
 def test_mode_off_disables() -> None:
@@ -56,7 +58,21 @@ def test_overrides_win_over_environment() -> None:
         ("ATTNGUARD_MODE", "fixx", "fix | warn | strict | off"),
         ("ATTNGUARD_DISABLE", "cast,teleport", ", ".join(REMEDIES + INTEGRATIONS)),
         ("ATTNGUARD_LOG", "/tmp/x-{host}.log", "{rank} and {pid}"),
-        ("ATTNGUARD_LOG_FORMAT", "xml", "json | console"),
+        ("ATTNGUARD_LOG", "/tmp/x{rank[0]}.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp/x{rank.foo}.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp/x{rank!r}.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp/x{rank:.2s}.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp/x{}.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp/x{rank.log", "{rank} and {pid}"),
+        ("ATTNGUARD_LOG", "/tmp", "a file path in a writable directory"),
+        ("ATTNGUARD_LOG", "/tmp/logs/", "a file path in a writable directory"),
+        ("ATTNGUARD_LOG", "/etc/hostname/ev.jsonl", "a file path in a writable directory"),
+        ("ATTNGUARD_LOG", "none,/tmp/ev.jsonl", "stderr,<file path>"),
+        ("ATTNGUARD_LOG", "stderr,", "stderr,<file path>"),
+        ("ATTNGUARD_LOG_LEVEL", "debug", "auto | info | warning | error"),
+        ("ATTNGUARD_CONSOLE_RANKS", "zero", "all | a comma list of ranks"),
+        ("ATTNGUARD_CONSOLE_RANKS", "0,-1", "all | a comma list of ranks"),
+        ("ATTNGUARD_LOG_FORMAT", "xml", "auto | json | console"),
         ("ATTNGUARD_DTYPE", "fp8", "auto | bf16 | fp16"),
         ("ATTNGUARD_FALLBACK", "sdpa,flash_attention_2", ", ".join(FALLBACK_BACKENDS)),
         ("ATTNGUARD_FALLBACK", ",", ", ".join(FALLBACK_BACKENDS)),
@@ -94,3 +110,44 @@ def test_configure_keeps_earlier_overrides() -> None:
     s = attnguard.configure(dtype="fp16")
     assert (s.mode, s.dtype, s.log) == ("warn", "fp16", "none")
     assert attnguard.settings() == s
+
+
+@pytest.mark.parametrize(
+    "template", ["/tmp/x{rank[0]}.log", "/tmp/x{rank.foo}.log", "/tmp", "/etc/hostname/x.log"]
+)
+def test_a_log_path_that_cannot_work_is_one_clear_error(template: str) -> None:
+    """Placeholders other than {rank} / {pid}, a directory, a path under a file: a ValueError
+    whose one line names the variable, the value and what is valid (no TypeError/KeyError)."""
+    with pytest.raises(ValueError) as err:
+        load({"ATTNGUARD_LOG": template})
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"attnguard: invalid ATTNGUARD_LOG={template!r} (")
+    assert "placeholders {rank} and {pid} only" in msg
+
+
+def test_an_unwritable_log_directory_is_refused(tmp_path) -> None:
+    import os
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as a user who may write anywhere (root)")
+        with pytest.raises(ValueError, match="is not writable"):
+            load({"ATTNGUARD_LOG": str(locked / "ev-{rank}.jsonl")})
+    finally:
+        locked.chmod(0o700)
+
+
+def test_log_targets_level_and_console_ranks(tmp_path) -> None:
+    path = str(tmp_path / "ev-{rank:03d}.jsonl")
+    s = load({"ATTNGUARD_LOG": f" stderr , {path}", "ATTNGUARD_CONSOLE_RANKS": "8, 0"})
+    assert s.log_targets == ("stderr", path)
+    assert s.threshold_for("stderr") == "warning" and s.threshold_for(path) == "info"
+    assert s.console_ranks == (0, 8)
+    s = load({"ATTNGUARD_LOG_LEVEL": "Error", "ATTNGUARD_CONSOLE_RANKS": "all"})
+    assert s.threshold_for("stderr") == "error" and s.console_ranks is None
+    assert load({"ATTNGUARD_LOG": "none"}).log_targets == ()
+    assert load({}, {"console_ranks": [1, 2]}).console_ranks == (1, 2)

@@ -72,8 +72,11 @@ def run_example(name: str, *extra_path: str | Path) -> Run:
         # (its counts include repeats, which are emitted once)
         assert [e["event"] for e in run.caused()] == run.events
         summary = [e for e in run.logged if e["event"] == "summary"]
-        assert len(summary) == 1
-        assert set(summary[0]["events"]) == set(run.events)
+        if run.events:
+            assert len(summary) == 1
+            assert set(summary[0]["events"]) == set(run.events)
+        else:  # nothing changed: the summary is INFO, kept off stderr by default
+            assert summary == []
     return run
 
 
@@ -106,10 +109,11 @@ def test_quickstart_falls_back_and_generates() -> None:
     run = run_example("quickstart.py")
     caused = run.caused()
     assert [e["event"] for e in caused] == ["backend_fallback"]
-    assert caused[0]["selected"] == "sdpa" and "attention backend 'sdpa'" in run.stdout
+    assert caused[0]["selected"] == "sdpa" and caused[0]["rule"] == "flash-on-sdpa"
+    assert "attention backend 'flash_attention_2'" in run.stdout  # its calls on the SDPA twins
 
 
-def test_family_a_loads_with_sdpa_here_and_plans_the_placement_on_a_gpu() -> None:
+def test_family_a_runs_on_sdpa_here_and_plans_the_placement_on_a_gpu() -> None:
     run = run_example("family_a_flash_not_on_gpu.py")
     assert run.events == ["backend_fallback"]
     (fallback,) = run.caused()
@@ -117,20 +121,24 @@ def test_family_a_loads_with_sdpa_here_and_plans_the_placement_on_a_gpu() -> Non
     assert fallback["model"] == "Qwen2_5_VLForConditionalGeneration"
     assert fallback["requested"] == "flash_attention_2" and fallback["selected"] == "sdpa"
     assert "without attnguard: " in run.stdout and "Error" in run.stdout.split("without")[1]
-    assert "on cpu, torch.bfloat16, attention 'sdpa'" in run.stdout
+    # transformers' flash path on the SDPA twins where attnguard can provide them for this model
+    # class (not Qwen2.5-VL's fixed flash classes on 4.49-4.52): else transformers' sdpa path
+    attention = "flash_attention_2" if fallback["rule"] == "flash-on-sdpa" else "sdpa"
+    assert f"on cpu, torch.bfloat16, attention '{attention}'" in run.stdout
     assert run.planned == ["model_placed"]
-    assert "loading it straight onto cuda:3" in run.stdout  # rank 3 of 8
+    assert "straight onto cuda:3" in run.stdout  # rank 3 of 8
     assert "observed (zero3_init)" in run.stdout  # ZeRO-3: left alone
 
 
-def test_family_b_falls_back_here_and_plans_sdpa_and_fp16_on_a_v100() -> None:
+def test_family_b_falls_back_here_and_plans_the_gpu_and_fp16_on_a_v100() -> None:
     run = run_example("family_b_old_gpu.py")
     assert run.events == ["backend_fallback"]
     assert run.caused()[0]["reason_code"] == _flash_status().reason_code
-    assert "torch.bfloat16, attention 'sdpa'; one training step" in run.stdout
-    assert run.planned == ["backend_fallback", "model_cast"]
+    assert "torch.bfloat16, attention 'flash_attention_2'; one training step" in run.stdout
+    # on a V100: flash's path on the SDPA twins, on the GPU, in fp16 (the run flash would have had)
+    assert run.planned == ["backend_fallback", "model_placed", "model_cast"]
     assert "backend_fallback (capability_too_low)" in run.stdout
-    assert "model_cast (no_native_bf16)" in run.stdout and "loading in float16" in run.stdout
+    assert "model_cast (no_native_bf16)" in run.stdout and "load in float16" in run.stdout
 
 
 def test_family_c_plans_one_replica_or_one_gpu_slice_per_rank() -> None:
@@ -187,9 +195,9 @@ def test_family_e_falls_back_here_and_plans_bf16_on_the_gpu_for_an_h100() -> Non
     run = run_example("family_e_fp32_flash.py")
     assert run.events == ["backend_fallback"]
     assert run.caused()[0]["reason_code"] == _flash_status().reason_code
-    assert "on cpu, torch.float32, attention 'sdpa'; first forward ran" in run.stdout
-    assert run.planned == ["model_cast", "model_placed"]
-    assert "loading in bfloat16" in run.stdout and "onto cuda:0" in run.stdout
+    assert "on cpu, torch.float32, attention 'flash_attention_2'; first forward ran" in run.stdout
+    assert run.planned == ["model_placed", "model_cast"]
+    assert "load in bfloat16" in run.stdout and "onto cuda:0" in run.stdout
     assert run.stdout.count("observed (fsdp_init)") == 2  # verl's FSDP actor: left alone
 
 
@@ -211,7 +219,7 @@ def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
     (fallback,) = run.caused()
     assert fallback["reason_code"] == facts.EXTENSION_BROKEN
     assert "No module named 'flash_attn_2_cuda'" in fallback["reason"]
-    assert "with 'sdpa'" in run.stdout and "one training step ran" in run.stdout
+    assert "with 'flash_attention_2'" in run.stdout and "one training step ran" in run.stdout
 
 
 @pytest.mark.skipif(not HAS_XFORMERS, reason="xformers is not installed (scripts/test.sh does)")

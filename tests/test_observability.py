@@ -66,7 +66,7 @@ OTEL_CASES: list[tuple[str, str, str, dict[str, Any]]] = [
         "WARN",
         {
             "site": "transformers.load",
-            "reason_code": "flash_attn_missing",
+            "reason_code": "package_missing",
             "reason": "flash-attn is not installed; loading Qwen2ForCausalLM with sdpa",
             "model": "Qwen2ForCausalLM",
             "requested": "flash_attention_2",
@@ -303,9 +303,10 @@ def test_jsonl_loads_in_pandas_without_post_processing(jsonl_log: Path) -> None:
     assert aligned["before"] == {"inv_freq": "cuda:0", "position_ids": "cuda:0"}
     assert df.loc[df["event"] == "summary", "events"].item()["backend_fallback"] == 2
     # the recipe in docs/observability.md: problems grouped by (event, reason_code)
-    problems = df[df["level"] != "info"].groupby(["event", "reason_code"])["rank"].count()
+    changes = df[(df["level"] != "info") & (df["event"] != "summary")]
+    problems = changes.groupby(["event", "reason_code"])["rank"].count()
     assert problems.to_dict() == {
-        ("backend_fallback", "flash_attn_missing"): 1,
+        ("backend_fallback", "package_missing"): 1,
         ("internal_error", "ValueError"): 1,
         ("tensors_aligned", "rotary_device_mismatch"): 1,
     }
@@ -318,8 +319,10 @@ def test_jsonl_filters_with_jq(jsonl_log: Path) -> None:
     text = jsonl_log.read_text()
     # the filters of docs/observability.md recipe D
     fallbacks = jq.compile('select(.event=="backend_fallback") | .reason_code')
-    assert fallbacks.input_text(text).all() == ["flash_attn_missing"]
-    rows = jq.compile('select(.level!="info") | [.rank, .event, .site, .reason] | @tsv')
+    assert fallbacks.input_text(text).all() == ["package_missing"]
+    rows = jq.compile(
+        'select(.level!="info" and .event!="summary") | [.rank, .event, .site, .reason] | @tsv'
+    )
     tsv = rows.input_text(text).all()
     assert [r.split("\t")[:3] for r in tsv] == [
         ["1", "backend_fallback", "transformers.load"],
@@ -327,7 +330,8 @@ def test_jsonl_filters_with_jq(jsonl_log: Path) -> None:
         ["1", "internal_error", "xformers.memory_efficient_attention"],
     ]
     per_rank = jq.compile(
-        'map(select(.level=="warning")) | group_by(.rank) | map({rank: .[0].rank, n: length})'
+        'map(select(.level=="warning" and .event!="summary")) | group_by(.rank)'
+        " | map({rank: .[0].rank, n: length})"
     )
     assert per_rank.input_text(text, slurp=True).first() == [{"rank": 1, "n": 2}]
 
@@ -341,14 +345,22 @@ def _example_fields(name: str) -> dict[str, Any]:
     return {"model": "TinyModel", "applied": True, "moved": ["q", "k"], "before": {"q": "cpu"}}
 
 
+def code_for(event: str) -> str:
+    """A reason code of the vocabulary that this event carries (internal_error: a type name)."""
+    from attnguard.reasons import REASONS
+
+    return next((r.code for r in REASONS.values() if event in r.events), "ValueError")
+
+
 def test_every_event_type_round_trips_through_json_loads(jsonl_log: Path) -> None:
+    codes = {name: code_for(name) for name in events.EVENTS}
     for name in events.EVENTS:
         # a reason with a newline and quotes must still be one valid JSON line
         reason = f'{name}: first line\nsecond "quoted" line'
         assert events.emit(
             name,
             site=f"test.{name}",
-            reason_code=f"rc_{name}",
+            reason_code=codes[name],
             reason=reason,
             **_example_fields(name),
         )
@@ -364,7 +376,7 @@ def test_every_event_type_round_trips_through_json_loads(jsonl_log: Path) -> Non
         assert p["schema"] == events.SCHEMA and p["rank"] == 1 and p["world_size"] == 2
         if p["site"] != "attnguard":  # the one activate() emitted
             assert p["reason"] == f'{p["event"]}: first line\nsecond "quoted" line'
-            assert p["reason_code"] == f"rc_{p['event']}"
+            assert p["reason_code"] == codes[p["event"]]
     by_name = {p["event"]: p for p in parsed if p["site"] != "attnguard"}
     assert by_name["qkv_unified"]["moved"] == ["q", "k"]
     assert by_name["summary"]["events"] == {
@@ -392,7 +404,7 @@ def test_console_lines_put_the_reason_first_on_one_line(guard, captured, launche
         "attnguard WARNING: flash-attn is not installed; loading Qwen2ForCausalLM with sdpa "
         "[backend_fallback "
     )
-    for part in ("reason_code=flash_attn_missing", "selected=sdpa", "rank=1", "world_size=2"):
+    for part in ("reason_code=package_missing", "selected=sdpa", "rank=1", "world_size=2"):
         assert part in fb
     assert lines["observed"].startswith(
         "attnguard INFO: model built under ZeRO-3 init; observing only [observed"
@@ -404,16 +416,36 @@ def test_console_lines_put_the_reason_first_on_one_line(guard, captured, launche
     assert "schema=" not in fb and "pid=" not in fb and "ts=" not in fb
 
 
-def test_console_stream_writes_one_line_per_event(
+def test_console_stream_writes_one_line_per_warning_and_error(
     guard, capsys: pytest.CaptureFixture[str], launcher_env
 ) -> None:
+    """stderr by default: warnings and errors, one line each. The observation (info) and this
+    rank's summary (rank 1 of 2: rank 0 tells the job's story) stay off the console."""
     attnguard.activate(log="stderr", log_format="console")
     capsys.readouterr()
     _emit_a_run()
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 5  # the repeated fallback is counted, not printed
+    assert len(err) == 3  # the repeated fallback is counted, not printed
     assert all(line.startswith("attnguard ") for line in err)
     assert err[0].startswith("attnguard WARNING: flash-attn is not installed")
+    assert "[tensors_aligned " in err[1] and err[2].startswith("attnguard ERROR: attnguard failed")
+
+
+def test_log_level_info_puts_every_event_on_the_console(
+    guard, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attnguard.activate(log="stderr", log_format="console", log_level="info")
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("attnguard INFO: attnguard active in fix mode")
+    _emit_a_run()
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("[")[1].split()[0] for line in err] == [
+        "backend_fallback",
+        "tensors_aligned",
+        "observed",
+        "internal_error",
+        "summary",
+    ]
 
 
 def test_console_line_stays_one_line_for_a_multi_line_reason() -> None:
@@ -485,7 +517,7 @@ def test_root_handler_gets_records_by_propagation_and_root_config_is_untouched(
     assert (rec.event, rec.site, rec.reason_code) == (
         "backend_fallback",
         "transformers.load",
-        "flash_attn_missing",
+        "package_missing",
     )
     assert (rec.rank, rec.world_size, rec.count, rec.selected) == (1, 2, 1, "sdpa")
     assert rec.getMessage() == f"backend_fallback: {OTEL_CASES[0][3]['reason']}"

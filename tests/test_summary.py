@@ -32,13 +32,13 @@ if mode != "nodist":
 guarded = attnguard.settings().enabled
 for _ in range(rank + 2 if guarded else 0):
     events.emit("device_map_rewritten", site="transformers.load", reason_code="device_map_per_rank",
-                reason="one replica per rank")
+                reason="one replica per rank", applied=True)
 if rank == 1 and guarded:
     for _ in range(5):
         events.emit("tensors_aligned", site="rotary:Qwen2_5_VLRotaryEmbedding",
-                    reason_code="rotary_device_mismatch", reason="moved position_ids")
+                    reason_code="rotary_device_mismatch", reason="moved position_ids", applied=True)
     events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
-                reason="flash-attn is not installed")
+                reason="flash-attn is not installed", applied=True)
 if mode == "barrier":
     dist.barrier()
 if mode == "destroy":
@@ -53,7 +53,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: Path, mode: str, *, rank1_guarded: bool = True, timeout: str = "10") -> None:
+def _launch(
+    tmp_path: Path,
+    mode: str,
+    *,
+    rank1_guarded: bool = True,
+    timeout: str = "10",
+    identity: bool = True,
+) -> None:
     """Two workers as torchrun starts them (same env variables), ATTNGUARD_LOG per rank."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -71,6 +78,8 @@ def _launch(tmp_path: Path, mode: str, *, rank1_guarded: bool = True, timeout: s
             MASTER_PORT=port,
             GATHER_TIMEOUT=timeout,
         )
+        if not identity:
+            del env["MASTER_PORT"], env["MASTER_ADDR"]
         procs.append(
             subprocess.Popen(
                 [PY, str(script), mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -94,38 +103,47 @@ def _summaries(path: Path) -> list[dict[str, Any]]:
 
 def test_aggregate_sums_counts_and_names_the_ranks() -> None:
     rank0 = {
-        "interventions": 2,
+        "applied": 2,
         "events": {"device_map_rewritten": 2},
         "reasons": {"device_map_rewritten:device_map_per_rank": 2},
         "sites": {"device_map_rewritten": ["transformers.load"]},
     }
     rank1 = {
-        "interventions": 8,
+        "applied": 3,
+        "would_have": 5,
         "events": {"device_map_rewritten": 3, "tensors_aligned": 5},
         "reasons": {
             "device_map_rewritten:device_map_per_rank": 3,
             "tensors_aligned:rotary_device_mismatch": 5,
         },
         "sites": {"device_map_rewritten": ["transformers.load"], "tensors_aligned": ["rotary:X"]},
-        "keys": [{"event": "tensors_aligned", "site": "rotary:X", "reason_code": "r", "count": 5}],
+        "keys": [
+            {
+                "event": "tensors_aligned",
+                "site": "rotary:X",
+                "reason_code": "r",
+                "count": 5,
+                "would_have": 5,
+            }
+        ],
     }
     agg = summary.aggregate({1: rank1, 0: rank0})
     assert agg["ranks"] == [0, 1]
-    assert agg["interventions"] == 10
+    assert (agg["applied"], agg["would_have"], agg["observed"]) == (5, 5, 0)
     assert agg["events"] == {"device_map_rewritten": 5, "tensors_aligned": 5}
     assert agg["event_ranks"] == {"device_map_rewritten": [0, 1], "tensors_aligned": [1]}
     assert agg["reason_ranks"]["tensors_aligned:rotary_device_mismatch"] == [1]
     assert agg["sites"]["device_map_rewritten"] == ["transformers.load"]
-    assert agg["per_rank"] == {"0": 2, "1": 8}
-    assert agg["keys"] == [
-        {
-            "event": "tensors_aligned",
-            "site": "rotary:X",
-            "reason_code": "r",
-            "count": 5,
-            "ranks": {"1": 5},
-        }
-    ]
+    assert agg["per_rank"]["0"] == {
+        "applied": 2,
+        "would_have": 0,
+        "observed": 0,
+        "internal_errors": 0,
+    }
+    assert agg["per_rank"]["1"]["would_have"] == 5
+    (key,) = agg["keys"]
+    assert (key["event"], key["count"], key["ranks"]) == ("tensors_aligned", 5, {"1": 5})
+    assert (key["applied"], key["would_have"]) == (0, 5)
     assert summary.aggregate({})["ranks"] == []
 
 
@@ -149,9 +167,9 @@ def test_every_hint_names_a_change_in_user_code() -> None:
 def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
     _launch(tmp_path, "nodist")
     files = [tmp_path / "events-0.jsonl", tmp_path / "events-1.jsonl"]
-    # no process group: each rank wrote its own summary
-    assert [s["site"] for s in _summaries(files[0])] == ["process"]
-    assert [s["site"] for s in _summaries(files[1])] == ["process"]
+    # no process group: the ranks met through files; rank 0 wrote the job's summary
+    assert [s["site"] for s in _summaries(files[0])] == ["job"]
+    assert _summaries(files[1]) == []
     with files[1].open("a") as fh:
         fh.write('not json at all\n[1, 2]\n{"no_event": true}\n')
     res = subprocess.run(
@@ -170,6 +188,7 @@ def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
     }
     # rank 0 rewrote twice, rank 1 three times: the summaries' counts, not the one line each
     assert rows[("device_map_rewritten", "device_map_per_rank")]["count"] == 5
+    assert rows[("device_map_rewritten", "device_map_per_rank")]["applied"] == 5
     assert rows[("device_map_rewritten", "device_map_per_rank")]["ranks"] == [0, 1]
     assert rows[("tensors_aligned", "rotary_device_mismatch")]["count"] == 5
     assert rows[("tensors_aligned", "rotary_device_mismatch")]["ranks"] == [1]
@@ -177,7 +196,7 @@ def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
         "rotary:Qwen2_5_VLRotaryEmbedding"
     ]
     assert rows[("backend_fallback", "package_missing")]["hint"].startswith("install flash-attn")
-    assert report["ranks"] == [0, 1] and report["interventions"] == 11
+    assert report["ranks"] == [0, 1] and report["applied"] == 11 and report["would_have"] == 0
     assert report["malformed_lines"] == {str(files[1]): 3}
 
     text = subprocess.run(
@@ -188,23 +207,82 @@ def test_summary_command_merges_per_rank_files(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert text.startswith("attnguard summary: 3 file(s)")
-    assert "ranks 0-1, 11 intervention(s)" in text
+    assert "ranks 0-1: 11 change(s) applied by attnguard in these files" in text
     assert f"skipped 3 malformed line(s) in {files[1]}" in text
     assert "could not read" in text and "missing.jsonl" in text
     table = {" ".join(ln.split()[:2]): ln.split() for ln in text.splitlines() if ln.strip()}
-    assert table["tensors_aligned rotary_device_mismatch"][2:4] == ["5", "1"]
-    assert table["device_map_rewritten device_map_per_rank"][2:4] == ["5", "0-1"]
+    # count, applied, would_have, ranks
+    assert table["tensors_aligned rotary_device_mismatch"][2:6] == ["5", "5", "0", "1"]
+    assert table["device_map_rewritten device_map_per_rank"][2:6] == ["5", "5", "0", "0-1"]
     assert 'device_map_per_rank: under torchrun load with device_map={"": local_rank}' in text
+
+
+def test_summary_command_without_readable_input_fails(tmp_path: Path) -> None:
+    res = subprocess.run(
+        [PY, "-m", "attnguard", "summary", str(tmp_path / "missing.jsonl")],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and res.stdout == ""
+    assert res.stderr.strip() == (
+        f"attnguard summary: no readable input ({tmp_path / 'missing.jsonl'}: "
+        "FileNotFoundError: No such file or directory)"
+    )
+    res = subprocess.run(
+        [PY, "-m", "attnguard", "summary", str(tmp_path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode != 0 and "IsADirectoryError" in res.stderr
+
+
+def test_attnguard_version() -> None:
+    import attnguard
+
+    res = subprocess.run(
+        [PY, "-m", "attnguard", "--version"],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert res.stdout.strip() == f"attnguard {attnguard.__version__}"
+
+
+def test_warn_mode_files_report_would_have_not_changes(tmp_path: Path) -> None:
+    """Event lines say ``applied: false`` in warn mode; the merged report counts them apart."""
+    lines = [
+        {"event": "activated", "rank": 0, "mode": "warn"},
+        {
+            "event": "backend_fallback",
+            "rank": 0,
+            "mode": "warn",
+            "site": "transformers.load",
+            "reason_code": "package_missing",
+            "count": 1,
+            "applied": False,
+        },
+        {"event": "observed", "rank": 0, "site": "s", "reason_code": "zero3_init", "count": 1},
+    ]
+    path = tmp_path / "events-0.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    report = json.loads(summary.render_files([str(path)], as_json=True))
+    assert (report["applied"], report["would_have"], report["observed"]) == (0, 1, 1)
+    text = summary.render_files([str(path)], as_json=False)
+    assert "0 change(s) applied by attnguard in these files; 1 more it would have applied" in text
+    assert "intervention" not in text
 
 
 def test_summary_of_files_without_interventions(tmp_path: Path) -> None:
     path = tmp_path / "quiet.jsonl"
     path.write_text(json.dumps({"event": "activated", "rank": 0}) + "\n")
     text = summary.render_files([str(path)], as_json=False)
-    assert "nothing to change" in text and "0 intervention(s)" in text
+    assert "nothing to change" in text and "0 change(s) applied" in text
 
 
-# --- exit summary over a live process group ------------------------------------------------------
+# --- exit summary over a live process group, or files --------------------------------------------
 
 
 def test_rank0_emits_one_summary_for_the_whole_job(tmp_path: Path) -> None:
@@ -212,26 +290,31 @@ def test_rank0_emits_one_summary_for_the_whole_job(tmp_path: Path) -> None:
     (job,) = _summaries(tmp_path / "events-0.jsonl")
     assert _summaries(tmp_path / "events-1.jsonl") == []  # its counts are in rank 0's summary
     assert job["site"] == "job" and job["reason_code"] == "exit_all_ranks"
+    assert job["gathered_by"] == "process_group"
     assert job["ranks"] == [0, 1] and job["missing_ranks"] == []
     assert job["events"] == {"device_map_rewritten": 5, "tensors_aligned": 5, "backend_fallback": 1}
     assert job["event_ranks"]["device_map_rewritten"] == [0, 1]
     assert job["event_ranks"]["tensors_aligned"] == [1]
-    assert job["interventions"] == 11 and job["per_rank"] == {"0": 2, "1": 9}
-    assert "11 intervention(s) by attnguard over 2 of 2 ranks" in job["reason"]
+    assert job["applied"] == 11 and job["level"] == "warning"
+    assert {r: n["applied"] for r, n in job["per_rank"].items()} == {"0": 2, "1": 9}
+    assert job["reason"].startswith("11 change(s) applied by attnguard over 2 of 2 ranks")
     # and the files merge to the same story
     report = json.loads(
         summary.render_files(
             [str(tmp_path / "events-0.jsonl"), str(tmp_path / "events-1.jsonl")], as_json=True
         )
     )
-    assert report["interventions"] == 11 and report["job_summaries"] == 1
+    assert report["applied"] == 11 and report["job_summaries"] == 1
 
 
-def test_destroyed_process_group_falls_back_to_per_rank_summaries(tmp_path: Path) -> None:
+def test_destroyed_process_group_still_gives_one_job_summary(tmp_path: Path) -> None:
     _launch(tmp_path, "destroy")
-    for rank, expected in ((0, 2), (1, 9)):
-        (own,) = _summaries(tmp_path / f"events-{rank}.jsonl")
-        assert own["site"] == "process" and own["interventions"] == expected
+    (job,) = _summaries(tmp_path / "events-0.jsonl")
+    assert _summaries(tmp_path / "events-1.jsonl") == []
+    assert job["site"] == "job" and job["gathered_by"] == "files"
+    assert job["ranks"] == [0, 1] and job["applied"] == 11
+    # the rendezvous directory is gone again
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".attnguard")] == []
 
 
 def test_a_rank_that_never_reports_is_named_not_waited_for(tmp_path: Path) -> None:
@@ -242,23 +325,27 @@ def test_a_rank_that_never_reports_is_named_not_waited_for(tmp_path: Path) -> No
     assert "no report from rank(s) 1" in job["reason"]
 
 
-def test_every_reason_code_the_guard_emits_has_its_own_hint() -> None:
-    """Codes are read from the modules that emit them: a new code without a hint fails here."""
-    from attnguard import callguard, facts, plan
+def test_without_a_job_identity_rank0_says_why_it_has_no_job_summary(tmp_path: Path) -> None:
+    """WORLD_SIZE=2 but nothing that tells this job apart from another (no launcher): no
+    rendezvous, no wait; each rank its own summary, rank 0's saying why."""
+    _launch(tmp_path, "nodist", identity=False)
+    (own0,) = _summaries(tmp_path / "events-0.jsonl")
+    (own1,) = _summaries(tmp_path / "events-1.jsonl")
+    assert own0["site"] == own1["site"] == "process"
+    assert (own0["applied"], own1["applied"]) == (2, 9)
+    why = "no job-wide summary: no process group at exit and the launcher set neither"
+    assert why in own0["reason"]
 
-    codes = {
-        facts.PACKAGE_MISSING,
-        facts.EXTENSION_BROKEN,
-        facts.NO_CUDA,
-        facts.CAPABILITY_TOO_LOW,
-        facts.VERSION_TOO_OLD,
-        facts.PROBE_FAILED,
-        facts.TORCH_TOO_OLD,
-    }
-    codes |= {r.reason_code for r in plan.TABLE if r.remedy and not r.reason_code.startswith("<")}
-    codes |= {code for _, code in callguard.KNOWN_KERNEL_ERRORS}
-    codes |= set(callguard._REROUTE_REASONS) | set(callguard._DIRECT_REROUTE_REASONS)
-    codes |= {"mixed_dtypes", "mask_dtype", "bias_dtype", "fp32_into_flash", "device_mismatch"}
-    codes |= {"device_map_per_rank", "device_map_shared_gpus", "device_map_gpu_slice"}
-    codes |= {"rotary_device_mismatch", "plan_mismatch"}
-    assert sorted(c for c in codes if c not in summary.HINTS) == []
+
+def test_every_change_the_guard_makes_has_a_hint() -> None:
+    """Each reason code of a change (not an observation) says what to change in your own code
+    (the vocabulary's completeness against the code is tests/test_vocabulary.py)."""
+    from attnguard.reasons import REASONS
+
+    changes = ("observed", "activated", "summary")
+    missing = [
+        r.code
+        for r in REASONS.values()
+        if any(e not in changes for e in r.events) and not summary.hint_for(r.events[0], r.code)
+    ]
+    assert missing == []
