@@ -8,6 +8,7 @@ was activated first. Hooks cannot be unregistered; after :func:`deactivate` they
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 from typing import Any
@@ -20,7 +21,22 @@ _settings = Settings(enabled=False)
 _active = False
 _hooks_registered: set[str] = set()
 _patched: set[str] = set()
+_refused: set[str] = set()  # integrations not patched for their version (reported once)
 _overrides: dict[str, Any] = {}
+
+# Set by a guarded process for its children: "<pid>:<job identity>". A child that finds another
+# pid with its own job identity (same RANK, same launch) is a helper of that process (DataLoader
+# worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity.
+PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
+_IDENTITY_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def settings() -> Settings:
@@ -45,18 +61,59 @@ def integrations() -> dict[str, Any]:
     return {name: _patch_module(name) for name in INTEGRATIONS}
 
 
+def _installed_version(name: str) -> str | None:
+    """The version of the library being patched: its top-level ``__version__`` (what is really
+    imported), else its distribution's metadata."""
+    from .patches import INTEGRATIONS, SUPPORTED
+
+    top = sys.modules.get(INTEGRATIONS[name][1].partition(".")[0])
+    version = getattr(top, "__version__", None)
+    if isinstance(version, str):
+        return version
+    from importlib import metadata
+
+    try:
+        return metadata.version(SUPPORTED[name][0])
+    except Exception:
+        return None
+
+
+def _version_refused(name: str) -> bool:
+    """True (after one ``observed`` event per process) when the installed library is outside
+    the versions the integration declares."""
+    from .patches import unsupported
+
+    version = _installed_version(name)
+    why = unsupported(name, version)
+    if why is None:
+        return False
+    if name not in _refused:
+        _refused.add(name)
+        events.emit(
+            "observed",
+            site=f"{name}.patch",
+            reason_code="version_unsupported",
+            reason=f"{why}: not patched, the {name} integration is off in this process",
+            version=version,
+        )
+    return True
+
+
 def _on_import(name: str, module: Any) -> None:
-    """Post-import hook body: patch ``name`` if we are active and it is allowed. Never raises."""
+    """Post-import hook body: patch ``name`` if we are active, it is allowed and its version is
+    one the integration supports. Never raises."""
     with _lock:
         if not _active or not _settings.allows(name) or name in _patched:
             return
         try:
+            if _version_refused(name):
+                return
             _patch_module(name).patch(module)
             _patched.add(name)
         except Exception as exc:
             from .patching import report_internal_error
 
-            report_internal_error(f"{name}.patch", exc)
+            report_internal_error(f"{name}.patch", exc)  # never raises
 
 
 def _register_hooks() -> None:
@@ -88,33 +145,57 @@ def versions() -> dict[str, str | None]:
     return out
 
 
+def _identity() -> str:
+    return "|".join(os.environ.get(v, "") for v in _IDENTITY_VARS)
+
+
+def _mark_process() -> bool:
+    """True when this process is a helper of a guarded parent; otherwise mark it the parent of
+    its own children (they inherit the variable)."""
+    mark = os.environ.get(PARENT_VAR, "")
+    pid, _, identity = mark.partition(":")
+    me = str(os.getpid())
+    if mark and pid != me and identity == _identity():
+        return True
+    os.environ[PARENT_VAR] = f"{me}:{_identity()}"
+    return False
+
+
 def activate(**overrides: Any) -> Settings:
     """Switch the guard on with ATTNGUARD_* settings plus ``overrides``; idempotent.
 
-    Raises ValueError (naming the setting, the value and the valid values) on bad input.
+    Raises ValueError (naming the setting, the value and the valid values) on bad input,
+    including a log file that cannot be written; the guard then stays off.
     """
     global _settings, _active, _overrides
     new = load(overrides=overrides)
     with _lock:
-        _overrides = dict(overrides)
         if _active and new == _settings:
+            _overrides = dict(overrides)
             return _settings
+        helper = False
+        if new.enabled:
+            helper = events.is_helper() if events.marked() else _mark_process()
+            events.set_helper(helper)
         if _active:
             deactivate()
+        # Helpers open their (shared, per-rank) file at their first line only.
+        events.configure_sinks(new, eager=new.enabled and not helper)
+        _overrides = dict(overrides)
         _settings = new
-        events.configure_sinks(new)
         if not new.enabled:
             return new
         _active = True
         events.register_exit_summary()
-        events.emit(
-            "activated",
-            site="attnguard",
-            reason_code="activated",
-            reason=f"attnguard active in {new.mode} mode",
-            versions=versions(),
-            settings=new.as_dict(),
-        )
+        if not helper and events.announce(new):
+            events.emit(
+                "activated",
+                site="attnguard",
+                reason_code="activated",
+                reason=f"attnguard active in {new.mode} mode",
+                versions=versions(),
+                settings=new.as_dict(),
+            )
         _register_hooks()
         return new
 
@@ -131,6 +212,7 @@ def deactivate() -> None:
 
                 report_internal_error(f"{name}.unpatch", exc)
         _patched.clear()
+        _refused.clear()
         _active = False
         _settings = Settings(enabled=False, mode=_settings.mode)
         # Flush and close a log file now; nothing is emitted while inactive (no exit summary).

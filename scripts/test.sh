@@ -13,6 +13,8 @@ pin=()
 # xformers from PyPI, without its torch pin: its CUDA ops never load on a CPU machine — the real
 # "xformers installed but unusable" case the guard must carry.
 "$PY" -m pip install -q --no-deps "xformers==0.0.35" "numpy"
+# The real DeepSpeed (ZeRO-3 on CPU with gloo, tests/test_ranks.py), without its CUDA ops.
+DS_BUILD_OPS=0 "$PY" -m pip install -q "torch==2.13.0" "deepspeed==0.19.8"
 # A real broken flash-attn install: the PyPI sdist built without its CUDA extension (~12 s, no
 # CUDA torch), kept out of the environment so other tests still see flash-attn absent; the tests
 # that need it put it on sys.path (TEST_BROKEN_FLASH_ATTN_DIR).
