@@ -1,84 +1,374 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one go, for the GPU machine (device tool; torch 2.11 + transformers 5.17,
-# no structlog / flash-attn / internet). Carry .whl (structlog + the PyPI xformers wheel, whose
-# CUDA ops do not load next to torch 2.11: the real "xformers unusable" case).
+# attnguard's GPU suite, made for ONE call of the device tool on a 2-GPU H200 machine
+# (nvidia-h200-x2; on one GPU the two-GPU parts are skipped and say so). The image has torch 2.11
+# (CUDA 13), transformers 5.17, accelerate, wrapt, pytest; no structlog, no flash-attn, no
+# internet.
 #
-#   bash scripts/gpu_suite.sh            # writes $OUT/gpu_suite.log and $OUT/results.md
-#   SUITE_PARTS="tests bench" ...         # choose parts: tests multigpu bench
+#   device run: command "bash scripts/gpu_suite.sh", carry [".gpu-deps", ".whl"], timeout_s 600
+#
+# .gpu-deps/flash_attn-2.8.3.post2-cp312-sm90-torch2.11-cu130.tar.xz: the real flash-attn wheel
+#   (../shared/wheels), unpacked to /tmp/flashsite; TEST_REAL_FLASH_ATTN_DIR points there. Nothing
+#   else puts it on a path: each test that needs it adds it to its own children or sys.path
+#   (tests/gpu/gpuenv.py), and "flash-attn absent" runs in processes without it.
+# .whl/: structlog and the PyPI xformers 0.0.35 wheel (its CUDA ops do not load next to torch
+#   2.11: the real "xformers unusable" case), installed to /tmp/site.
+# attnguard's start-up hook (hook/attnguard.pth, hook/_attnguard_hook.py) is copied into
+#   python3's site-packages so that ATTNGUARD=1 reaches torchrun's workers; attnguard itself comes
+#   from PYTHONPATH. Removed again at exit.
+#
+# Parts (SUITE_PARTS, default "tests multigpu bench"):
+#   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0)
+#   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py in one pytest process;
+#             test_multigpu_gpu.py, test_examples_gpu.py and test_call_gpu.py in another
+#   bench     bench/bench_fallback.py (real flash-attn on PYTHONPATH, GPU 0), then
+#             bench/bench_multigpu.py (two GPUs). bench_forward.py / bench_load.py only with
+#             SUITE_BENCH_EXTRA=1 and time left (they do not involve flash-attn's kernel)
+# `tests` and `multigpu` run at the same time (correctness only; tiny models); `bench` runs
+# after them, alone on the machine, because it reports timings.
+#
+# Time: the device tool stops a command at 600 s, so the whole script keeps to SUITE_BUDGET_S
+# (default 560 s). Every part has a hard limit (its whole process tree is killed at it):
+# SUITE_TESTS_LIMIT_S (default 330, tests and multigpu), SUITE_BENCH_FALLBACK_S (200),
+# SUITE_BENCH_MULTIGPU_S (150), each cut to what the budget has left. Run the parts in two calls
+# (SUITE_PARTS="tests multigpu", then SUITE_PARTS=bench) to give each more time.
+#
+# Output ($OUT, at most 3 files, no folders): results.md (versions, each part's pytest summary
+# lines with skip reasons and final line, the semantics and stand-in comparisons, the benchmark
+# tables, and a results table at the end, also printed), gpu_suite.log (every log in full),
+# gpu_results.tar.gz (what the tests measured, JSON, under results/, and each part's log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+START=$(date +%s)
+BUDGET=${SUITE_BUDGET_S:-560}
 OUT=${OUT:-/tmp/attnguard-gpu-out}
+WORK=${SUITE_WORK:-/tmp/attnguard-gpu}
+FLASH_SHA256=23962e3e6dacbe5bccddfd9d9f1c9c2c1cb568477b3a4a94c1de79f832553301
+parts=" ${SUITE_PARTS:-tests multigpu bench} "
 mkdir -p "$OUT"
+rm -rf "$WORK"
+mkdir -p "$WORK/logs" "$WORK/results" "$WORK/rc" "$WORK/pt"
 log="$OUT/gpu_suite.log"
 results="$OUT/results.md"
-parts=${SUITE_PARTS:-"tests multigpu bench"}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+: >"$log"
+
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export GPU_RESULTS="$WORK/results"
+export LOAD_GPU_RESULTS="$WORK/results/load_gpu.json"
+export MULTIGPU_RESULTS="$WORK/results/multigpu_results.json"
+
+elapsed() { echo $(($(date +%s) - START)); }
+left() { echo $((START + BUDGET - $(date +%s))); }
+say() { echo "[suite +$(elapsed)s] $*" | tee -a "$log"; }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+
+descendants() {
+  local child
+  for child in $(pgrep -P "$1" 2>/dev/null); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+
+# run_limited LIMIT_S LOGFILE CMD...: CMD with its output in LOGFILE; at LIMIT_S the command and
+# every process it started (pytest's children, torchrun's workers) are stopped. Returns CMD's
+# exit status, or 124 when the limit stopped it.
+run_limited() {
+  local limit=$1 logf=$2 pid waited=0 tree
+  shift 2
+  "$@" >"$logf" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$waited" -ge "$limit" ]; then
+      tree="$pid $(descendants "$pid")"
+      echo "[suite] stopped at its limit of ${limit}s" >>"$logf"
+      # shellcheck disable=SC2086
+      kill -TERM $tree 2>/dev/null
+      sleep 5
+      # shellcheck disable=SC2086
+      kill -KILL $tree 2>/dev/null
+      wait "$pid" 2>/dev/null
+      return 124
+    fi
+    sleep 1
+    waited=$((waited + 1))
+  done
+  wait "$pid"
+}
+
+# pytest_job NAME LIMIT_S DEVICES PYTEST_ARGS...: one pytest process; its exit status and wall
+# time go to $WORK/rc/NAME.
+pytest_job() {
+  local name=$1 limit=$2 devices=$3 t0 rc
+  shift 3
+  t0=$(date +%s)
+  if [ "$devices" = all ]; then
+    run_limited "$limit" "$WORK/logs/$name.log" python3 -m pytest "$@" -v -rA \
+      -p no:cacheprovider --basetemp="$WORK/pt/$name"
+  else
+    run_limited "$limit" "$WORK/logs/$name.log" env CUDA_VISIBLE_DEVICES="$devices" \
+      python3 -m pytest "$@" -v -rA -p no:cacheprovider --basetemp="$WORK/pt/$name"
+  fi
+  rc=$?
+  echo "$rc $(($(date +%s) - t0)) $limit" >"$WORK/rc/$name"
+}
+
+# --- setup ---------------------------------------------------------------------------------------
+say "setup (budget ${BUDGET}s, parts:${parts})"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >>"$log" 2>&1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl >>"$log" 2>&1 || say "pip install of .whl/ failed (see the log)"
   export PYTHONPATH="/tmp/site:$PWD"
 else
+  say ".whl/ is missing: no structlog (attnguard needs it) and no xformers"
   export PYTHONPATH="$PWD"
 fi
-ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
+
+flash_tar=$(ls .gpu-deps/flash_attn-*.tar.xz 2>/dev/null | head -n 1)
+flash_line="real flash-attn: none (.gpu-deps/flash_attn-*.tar.xz missing): its tests skip"
+if [ -n "$flash_tar" ]; then
+  sha=$(sha256sum "$flash_tar" | cut -d' ' -f1)
+  [ "$sha" = "$FLASH_SHA256" ] && sha_note="sha256 as in ../shared/wheels/README.md" ||
+    sha_note="sha256 $sha DIFFERS from the README's $FLASH_SHA256"
+  rm -rf /tmp/flashsite && mkdir -p /tmp/flashsite
+  if tar xJf "$flash_tar" -C /tmp/flashsite >>"$log" 2>&1; then
+    export TEST_REAL_FLASH_ATTN_DIR=/tmp/flashsite
+    probe=$(PYTHONPATH="/tmp/flashsite:$PYTHONPATH" python3 -c \
+      "import torch, flash_attn, flash_attn_2_cuda; print('flash-attn', flash_attn.__version__, '(CUDA extension imports)')" \
+      2>&1 | tail -n 1)
+    flash_line="real flash-attn: $(basename "$flash_tar") -> /tmp/flashsite; $sha_note; $probe"
+  else
+    flash_line="real flash-attn: unpacking $flash_tar failed (see the log): its tests skip"
+  fi
+fi
+say "$flash_line"
+
+site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+hook_files=""
+if cp hook/attnguard.pth hook/_attnguard_hook.py "$site/" 2>>"$log"; then
+  hook_files="$site/attnguard.pth $site/_attnguard_hook.py"
+fi
+cleanup() {
+  # shellcheck disable=SC2086
+  [ -n "$hook_files" ] && rm -f $hook_files
+}
+trap cleanup EXIT
+hook_check=$(ATTNGUARD=1 ATTNGUARD_LOG=none python3 -c \
+  "import sys; print('active' if 'attnguard' in sys.modules else 'NOT active')" 2>&1 | tail -n 1)
+say "start-up hook in $site: ATTNGUARD=1 -> attnguard $hook_check"
+
+ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>>"$log" || echo 0)
 {
-  echo "# attnguard GPU suite — $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# attnguard GPU suite, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
   echo '```'
-  nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-  python3 -c "import importlib.metadata as m; print('xformers', m.version('xformers'))" 2>&1 | tail -n 1
+  nvidia-smi --query-gpu=index,name,compute_cap,memory.total,driver_version --format=csv 2>&1
+  python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tail -n 1
+  python3 -c "import importlib.metadata as m; print('xformers', m.version('xformers'), '/ structlog', m.version('structlog'))" 2>&1 | tail -n 1
+  echo "$flash_line"
+  echo "start-up hook: ATTNGUARD=1 -> attnguard $hook_check"
+  echo "attnguard checkout: $(git rev-parse --short HEAD 2>/dev/null || echo 'no .git here')"
+  echo "parts:${parts}; budget ${BUDGET}s"
   echo '```'
 } >"$results"
 
-section() { echo; echo "## $1"; echo; } >>"$results"
-
-if [[ " $parts " == *" tests "* ]]; then
-  section "GPU tests (tests/gpu, one GPU)"
-  # one process per file: the flash_attn stand-in one file imports must not leak into the next
+# --- tests and multigpu (at the same time) --------------------------------------------------------
+order=()
+bench_reserve=0
+if [[ $parts == *" bench "* ]]; then
+  bench_reserve=$((ngpu >= 2 ? 200 : 120))
+fi
+limit=$(min "${SUITE_TESTS_LIMIT_S:-330}" $(($(left) - bench_reserve - 20)))
+if [[ $parts == *" tests "* || $parts == *" multigpu "* ]] && [ "$limit" -lt 60 ]; then
+  say "only ${limit}s for tests: raise SUITE_BUDGET_S or run fewer parts"
+  limit=60
+fi
+if [[ $parts == *" tests "* ]]; then
+  say "tests: one pytest process per file on GPU 0, limit ${limit}s each"
   for f in tests/gpu/test_*.py; do
-    [ "$f" = tests/gpu/test_multigpu_gpu.py ] && continue
-    CUDA_VISIBLE_DEVICES=0 python3 -m pytest "$f" -m "gpu and not multigpu" -v -rA \
-      -p no:cacheprovider >"$OUT/part.log" 2>&1
-    rc=$?
-    cat "$OUT/part.log" >>"$log"
-    echo "$f: exit code $rc" >>"$results"
-    grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL)" "$OUT/part.log" | sed 's/^/    /' >>"$results"
-    tail -n 1 "$OUT/part.log" | sed 's/^/    /' >>"$results"
+    case "$f" in
+      tests/gpu/test_multigpu_gpu.py | tests/gpu/test_ranks_gpu.py) continue ;; # multigpu only
+    esac
+    name="tests-$(basename "$f" .py)"
+    order+=("$name")
+    pytest_job "$name" "$limit" 0 "$f" -m "gpu and not multigpu" &
   done
-  rm -f "$OUT/part.log"
 fi
-
-if [[ " $parts " == *" multigpu "* ]] && [ "$ngpu" -ge 2 ]; then
-  section "Multi-GPU tests (two GPUs)"
-  # ATTNGUARD=1 must reach torchrun's workers through the start-up hook: install its two files
-  # into site-packages (no build backend on an offline machine; attnguard itself is on PYTHONPATH)
-  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  cp hook/attnguard.pth hook/_attnguard_hook.py "$site/"
-  python3 -m pytest tests/gpu -m "multigpu" -v -rA -p no:cacheprovider >"$OUT/part.log" 2>&1
-  echo "exit code $?" >>"$results"
-  cat "$OUT/part.log" >>"$log"
-  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT/part.log" | sed 's/^/    /' >>"$results"
-  tail -n 1 "$OUT/part.log" | sed 's/^/    /' >>"$results"
-  rm -f "$OUT/part.log" "$site/attnguard.pth" "$site/_attnguard_hook.py"
-fi
-
-if [[ " $parts " == *" bench "* ]]; then
-  for b in bench_load bench_forward; do
-    if [ -f "bench/$b.py" ]; then
-      section "bench/$b.py"
-      echo '```' >>"$results"
-      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 "bench/$b.py" >>"$results" 2>>"$log"
-      echo "(exit $?)" >>"$results"
-      echo '```' >>"$results"
-    fi
-  done
-  if [ -f bench/bench_multigpu.py ] && [ "$ngpu" -ge 2 ]; then
-    section "bench/bench_multigpu.py"
-    echo '```' >>"$results"
-    timeout 300 python3 bench/bench_multigpu.py >>"$results" 2>>"$log"
-    echo "(exit $?)" >>"$results"
-    echo '```' >>"$results"
+if [[ $parts == *" multigpu "* ]]; then
+  if [ "$ngpu" -ge 2 ]; then
+    say "multigpu: two pytest processes on both GPUs, limit ${limit}s each"
+    order+=(multigpu-ranks multigpu-others)
+    pytest_job multigpu-ranks "$limit" all tests/gpu/test_ranks_gpu.py -m multigpu &
+    pytest_job multigpu-others "$limit" all tests/gpu/test_multigpu_gpu.py \
+      tests/gpu/test_examples_gpu.py tests/gpu/test_call_gpu.py -m multigpu &
+  else
+    say "multigpu: skipped, $ngpu GPU(s) visible"
+    echo -e "\n## multigpu\n\nskipped: $ngpu GPU(s) visible, two needed" >>"$results"
   fi
 fi
+wait
+say "tests done"
+
+describe_rc() {
+  case "$1" in
+    0) echo "ok" ;;
+    1) echo "FAILURES" ;;
+    2) echo "interrupted / collection errors" ;;
+    5) echo "nothing ran (none collected or selected)" ;;
+    124) echo "STOPPED at its time limit" ;;
+    *) echo "exit code $1" ;;
+  esac
+}
+
+for name in "${order[@]}"; do
+  read -r rc secs lim <"$WORK/rc/$name" || { rc=?; secs=?; lim=?; }
+  {
+    echo
+    echo "## $name: $(describe_rc "$rc") (${secs}s of ${lim}s)"
+    echo
+    echo '```'
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) " "$WORK/logs/$name.log" | cut -c1-400
+    grep -E "^=+ .*(passed|failed|skipped|error|deselected|no tests ran).* =+$" \
+      "$WORK/logs/$name.log" | tail -n 1
+    [ "$rc" = 124 ] && tail -n 5 "$WORK/logs/$name.log"
+    echo '```'
+  } >>"$results"
+done
+
+# what the comparisons measured, in short (the JSON is in gpu_results.tar.gz)
+python3 - "$WORK/results" >>"$results" 2>>"$log" <<'PY'
+import json, sys
+from pathlib import Path
+
+base = Path(sys.argv[1])
+sem = base / "semantics" / "semantics.json"
+GROUPS = {
+    "packed_cache": "packed row (use_cache False/True)",
+    "packed_alone": "its sequences alone",
+    "padded_cache": "left-padded batch (use_cache False/True)",
+    "kernel_packed_vs_alone": "kernel itself: packed row = sequences alone",
+}
+if sem.exists():
+    data = json.loads(sem.read_text())
+    print("\n## twins vs the real kernel on models\n")
+    print("Worst check of each group: max |twins - kernel| at real tokens, and its bound.\n")
+    print("| family | what | err | bound | all ok |")
+    print("|---|---|---|---|---|")
+    for family, checks in data["compared"].items():
+        for prefix, label in GROUPS.items():
+            group = [r for k, r in checks.items() if k.startswith(prefix)]
+            if group:
+                worst = max(group, key=lambda r: r["err"] / max(r["bound"], 1e-12))
+                ok = all(r["ok"] for r in group)
+                print(f"| {family} | {label} | {worst['err']:.3g} | {worst['bound']:.3g} | {ok} |")
+        for i, row in enumerate(checks["generate"]["rows"]):
+            first = row["first_difference"]
+            what = "tokens equal" if first is None else (
+                f"tokens differ from step {first}, kernel margin {row['kernel_margin']:.3g} "
+                f"({'near-tie' if row['near_tie'] else 'NOT a tie'})")
+            print(f"| {family} | generate row {i}: {what} | {row['scores_err']:.3g} "
+                  f"| {row['bound']:.3g} | {row['ok']} |")
+cmp_ = base / "standin_vs_real" / "comparison.json"
+if cmp_.exists():
+    data = json.loads(cmp_.read_text())
+    print("\n## stand-in vs the real kernel: cases that differ\n")
+    rows = []
+    for name, r in data["cases"].items():
+        notes = []
+        if not r["same_inputs"]:
+            notes.append("inputs differ")
+        if name.startswith("err_"):
+            re_, se = r["real_error"], r["standin_error"]
+            if re_ is None or se is None:
+                notes.append(f"raised: real {re_ and re_[0]}, stand-in {se and se[0]}")
+            elif not (r["same_type"] and r["same_message"]):
+                first = lambda e: (e[1].splitlines() or [""])[0][:160]  # noqa: E731
+                notes.append(f"real {re_[0]}: {first(re_)!r} / stand-in {se[0]}: {first(se)!r}")
+        else:
+            if r["real_error"] or r["standin_error"]:
+                notes.append(f"raised: real {r['real_error'] and r['real_error'][0]}, "
+                             f"stand-in {r['standin_error'] and r['standin_error'][0]}")
+            if "out_err" in r and r["out_err"] > r["out_bound"]:
+                notes.append(f"out err {r['out_err']:.3g} > {r['out_bound']:.3g}")
+            if "lse_err" in r and (not r["lse_same_inf"] or r["lse_err"] > 1e-3):
+                notes.append(f"lse err {r['lse_err']:.3g}, inf rows {r['lse_inf_rows']}")
+            if r.get("caches_equal") is False:
+                notes.append("KV caches differ")
+        if notes:
+            rows.append(f"- {name}: {'; '.join(notes)}")
+    print("\n".join(rows) if rows else "none")
+PY
+
+# --- bench (alone) --------------------------------------------------------------------------------
+bench_row=()
+bench() {  # NAME LIMIT_S ENV... -- CMD...
+  local name=$1 lim=$2 t0 rc
+  shift 2
+  if [ "$lim" -lt 45 ]; then
+    say "$name: skipped, ${lim}s left"
+    echo -e "\n## $name\n\nskipped: only ${lim}s of the budget left" >>"$results"
+    bench_row+=("| bench | $name | skipped (time) | | | | | | |")
+    return
+  fi
+  say "$name: limit ${lim}s"
+  t0=$(date +%s)
+  run_limited "$lim" "$WORK/logs/$name.log" "$@"
+  rc=$?
+  {
+    echo
+    echo "## $name: exit $rc$([ "$rc" = 124 ] && echo ', STOPPED at its time limit') ($(($(date +%s) - t0))s of ${lim}s)"
+    echo
+    echo '```'
+    grep -vE "^\{|^\[\{|Loading weights|Writing model shards|it/s\]$|Warning|warn\(" \
+      "$WORK/logs/$name.log" | tail -n 40 | cut -c1-400
+    echo '```'
+  } >>"$results"
+  bench_row+=("| bench | $name | $( [ "$rc" = 0 ] && echo ok || echo "exit $rc") | | | | | | $(($(date +%s) - t0)) |")
+}
+if [[ $parts == *" bench "* ]]; then
+  reserve=$((ngpu >= 2 ? 60 : 0))
+  bench bench_fallback "$(min "${SUITE_BENCH_FALLBACK_S:-200}" $(($(left) - 15 - reserve)))" \
+    env CUDA_VISIBLE_DEVICES=0 PYTHONPATH="${TEST_REAL_FLASH_ATTN_DIR:-/nonexistent}:$PYTHONPATH" \
+    python3 bench/bench_fallback.py ${SUITE_BENCH_FALLBACK_ARGS:-}
+  if [ "$ngpu" -ge 2 ]; then
+    bench bench_multigpu "$(min "${SUITE_BENCH_MULTIGPU_S:-150}" $(($(left) - 15)))" \
+      python3 bench/bench_multigpu.py
+  else
+    bench_row+=("| bench | bench_multigpu | skipped ($ngpu GPU) | | | | | | |")
+  fi
+  if [ "${SUITE_BENCH_EXTRA:-0}" = 1 ]; then
+    for b in bench_load bench_forward; do
+      bench "$b" "$(min 240 $(($(left) - 15)))" env CUDA_VISIBLE_DEVICES=0 python3 "bench/$b.py"
+    done
+  fi
+fi
+
+# --- the results table, logs, the bundle ----------------------------------------------------------
+count() { grep -E "^=+ .* =+$" "$1" 2>/dev/null | tail -n 1 | grep -oE "[0-9]+ $2" | grep -oE "^[0-9]+" || echo 0; }
+{
+  echo
+  echo "## Results ($(elapsed)s of the ${BUDGET}s budget)"
+  echo
+  echo "| part | run | outcome | passed | failed | errors | skipped | xfailed | seconds |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  for name in "${order[@]}"; do
+    read -r rc secs _ <"$WORK/rc/$name" || { rc=?; secs=?; }
+    f="$WORK/logs/$name.log"
+    echo "| ${name%%-*} | ${name#*-} | $(describe_rc "$rc") | $(count "$f" passed) | $(count "$f" failed) | $(count "$f" 'errors?') | $(count "$f" skipped) | $(count "$f" xfailed) | $secs |"
+  done
+  for row in "${bench_row[@]+"${bench_row[@]}"}"; do echo "$row"; done
+} >>"$results"
+
+for f in "$WORK"/logs/*.log; do
+  [ -e "$f" ] || continue
+  {
+    echo
+    echo "===== $(basename "$f") ====="
+    cat "$f"
+  } >>"$log"
+done
+tar czf "$OUT/gpu_results.tar.gz" -C "$WORK" results logs 2>>"$log"
+if [ "$(stat -c %s "$OUT/gpu_results.tar.gz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+  tar czf "$OUT/gpu_results.tar.gz" -C "$WORK" results 2>>"$log" # the logs are in gpu_suite.log
+fi
+say "done: $OUT/results.md, $OUT/gpu_suite.log, $OUT/gpu_results.tar.gz"
 cat "$results"

@@ -1,0 +1,303 @@
+"""GPU benchmark: the run a user gets from ``from_pretrained(fp32_checkpoint,
+attn_implementation="flash_attention_2")`` (no dtype, no device_map: the seed-000/004 call) with
+attnguard, against the run they would write by hand with a working flash-attn.
+
+Scenarios, each in a fresh process (flash-attn's availability is a per-process fact):
+
+* ``hand_fa2``: unguarded, real flash-attn, ``dtype=torch.bfloat16, device_map="cuda:0"`` — the
+  hand-fixed reference every ratio is taken against;
+* ``guarded_fa2``: attnguard, real flash-attn usable (attnguard casts and places);
+* ``guarded_broken``: attnguard, flash-attn installed but its CUDA extension failing to import
+  (a ``flash_attn_2_cuda`` that raises ImportError, as a build for another torch does): the flash
+  code path on the SDPA twins, cast to bf16 and placed on cuda:0 (the run flash would have had);
+* ``guarded_absent``: attnguard, flash-attn not installed (same remedy);
+* ``hand_sdpa``: unguarded ``attn_implementation="sdpa"`` in bf16 on cuda:0, for context.
+
+Measured per scenario: prefill (``--batch`` x ``--seq`` tokens, one forward, no cache) and decode
+(``--batch`` sequences, one token per step against a ``--seq``-token KV cache), median ms over
+``--iters`` timed iterations after warm-up (CUDA events). Ratios are hand_fa2 time / scenario
+time (>= 1.0: at least as fast as the hand-fixed flash run).
+
+    python bench/bench_fallback.py [--layers 24] [--batch 4] [--seq 2048] [--iters 20]
+
+Needs CUDA and the real flash-attn on PYTHONPATH (scripts/gpu_suite.sh); exits 2 without CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FLASH = "flash_attention_2"
+SCENARIOS = ("hand_fa2", "guarded_fa2", "guarded_broken", "guarded_absent", "hand_sdpa")
+# ab_fa2 (run last): the guard switched off and on in one process over a hand-fixed FA2 model
+
+
+def qwen2_05b(layers: int) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+
+
+def make_checkpoint(path: Path, layers: int) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = qwen2_05b(layers)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg)  # float32: the checkpoint the issue's user has
+    model.save_pretrained(path)
+
+
+def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[str, Any]:
+    """One scenario, in this process: load as the user would, then time prefill and decode."""
+    import torch
+
+    if scenario.startswith("guarded"):
+        os.environ["ATTNGUARD_LOG"] = "none"
+        import attnguard  # noqa: F401  (importing activates)
+        from attnguard import events
+
+        events.reset_counts()
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    if scenario == "hand_fa2":
+        kw: dict[str, Any] = {"attn_implementation": FLASH, "dtype": torch.bfloat16}
+        kw["device_map"] = "cuda:0"
+    elif scenario == "hand_sdpa":
+        kw = {"attn_implementation": "sdpa", "dtype": torch.bfloat16, "device_map": "cuda:0"}
+    else:
+        kw = {"attn_implementation": FLASH}  # the seed call: nothing else said
+    model = AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+    p = next(model.parameters())
+    info: dict[str, Any] = {
+        "scenario": scenario,
+        "attn_implementation": model.config._attn_implementation,
+        "dtype": str(p.dtype).replace("torch.", ""),
+        "device": str(p.device),
+    }
+    if scenario.startswith("guarded"):
+        info["events"] = sorted({f"{k[0]}:{k[2]}" for k in events.counts() if k[0] != "activated"})
+    try:
+        import flash_attn_2_cuda  # noqa: F401
+
+        info["flash_attn_kernel"] = "importable"
+    except ImportError as exc:
+        info["flash_attn_kernel"] = f"not importable ({type(exc).__name__})"
+    if p.device.type != "cuda":
+        info["error"] = "the model is not on the GPU"
+        return info
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
+
+    def time_ms(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+    with torch.no_grad():
+        info["prefill_ms"] = time_ms(lambda: model(input_ids=ids, use_cache=False))
+        cache = DynamicCache()
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = ids[:, -1:]
+
+        def decode() -> None:
+            model(input_ids=step, past_key_values=cache, use_cache=True)
+            cache.crop(seq)  # every step sees the same context length
+
+        info["decode_ms"] = time_ms(decode)
+    return info
+
+
+def child_ab(path: str, batch: int, seq: int, iters: int, rounds: int = 9) -> dict[str, Any]:
+    """The guard's cost on the real kernel, in one process: a hand-fixed FA2 model timed with the
+    guard switched off and on in alternating rounds (A B, B A, ...), so clock drift and process
+    differences hit both alike. Returns medians and the median of per-round ratios."""
+    import statistics
+
+    import torch
+
+    os.environ["ATTNGUARD_LOG"] = "none"
+    import attnguard
+
+    attnguard.deactivate()
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation=FLASH, dtype=torch.bfloat16, device_map="cuda:0"
+    ).eval()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
+
+    def time_ms(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = ids[:, -1:]
+
+        def decode() -> None:
+            model(input_ids=step, past_key_values=cache, use_cache=True)
+            cache.crop(seq)
+
+        def prefill() -> None:
+            model(input_ids=ids, use_cache=False)
+
+        out: dict[str, Any] = {"scenario": "ab_fa2"}
+        for name, fn in (("prefill", prefill), ("decode", decode)):
+            off, on, ratios = [], [], []
+            for r in range(rounds):
+                pair = {}
+                for guarded in (r % 2 == 1, r % 2 == 0):
+                    if guarded:
+                        attnguard.activate(log="none")
+                    else:
+                        attnguard.deactivate()
+                    pair[guarded] = time_ms(fn)
+                off.append(pair[False])
+                on.append(pair[True])
+                ratios.append(pair[False] / pair[True])
+            out[f"{name}_off_ms"] = statistics.median(off)
+            out[f"{name}_on_ms"] = statistics.median(on)
+            out[f"{name}_ratio"] = statistics.median(ratios)
+            out[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
+    attnguard.deactivate()
+    return out
+
+
+def run_scenario(scenario: str, path: Path, args: argparse.Namespace, broken: Path) -> dict:
+    env = dict(os.environ)
+    paths = env.get("PYTHONPATH", "").split(os.pathsep)
+    if scenario == "guarded_absent":
+        # no flash-attn at all: drop the unpacked wheel's directory from the path
+        paths = [p for p in paths if p and not (Path(p) / "flash_attn").is_dir()]
+    if scenario == "guarded_broken":
+        paths = [str(broken), *paths]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in paths if p]])
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("ATTNGUARD", None)
+    cmd = [sys.executable, __file__, "--child", scenario, "--path", str(path)]
+    cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--iters", str(args.iters)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"scenario": scenario, "error": (res.stderr or res.stdout)[-1500:]}
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--child")
+    ap.add_argument("--path")
+    args = ap.parse_args()
+    if args.child == "ab_fa2":
+        print(json.dumps(child_ab(args.path, args.batch, args.seq, args.iters)))
+        return 0
+    if args.child:
+        print(json.dumps(child(args.child, args.path, args.batch, args.seq, args.iters)))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_fallback: needs a CUDA GPU")
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "qwen2-0.5b-fp32"
+        make_checkpoint(ckpt, args.layers)
+        broken = Path(tmp) / "broken"
+        broken.mkdir()
+        (broken / "flash_attn_2_cuda.py").write_text(
+            "raise ImportError('flash_attn_2_cuda.cpython-312-x86_64-linux-gnu.so: undefined "
+            "symbol: _ZN3c104cuda9SetDeviceEi (a build for another torch)')\n"
+        )
+        results = [run_scenario(s, ckpt, args, broken) for s in SCENARIOS]
+        ab = run_scenario("ab_fa2", ckpt, args, broken)
+    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    print(
+        f"Qwen2-0.5B shape, {args.layers} layers, fp32 checkpoint; prefill {args.batch}x{args.seq}"
+    )
+    print(f"tokens, decode batch {args.batch} at context {args.seq}; medians of {args.iters}")
+    base = next((r for r in results if r["scenario"] == "hand_fa2" and "prefill_ms" in r), None)
+    head = "| scenario | loaded as | flash kernel | prefill ms | ratio | decode ms | ratio |"
+    print(head)
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "prefill_ms" not in r:
+            print(f"| {r['scenario']} | error: {r.get('error', '?')[-300:]!r} | | | | | |")
+            continue
+        loaded = f"{r['attn_implementation']}, {r['dtype']}, {r['device']}"
+        rp = base["prefill_ms"] / r["prefill_ms"] if base else float("nan")
+        rd = base["decode_ms"] / r["decode_ms"] if base else float("nan")
+        print(
+            f"| {r['scenario']} | {loaded} | {r['flash_attn_kernel']} | {r['prefill_ms']:.2f} "
+            f"| {rp:.3f} | {r['decode_ms']:.2f} | {rd:.3f} |"
+        )
+    for r in results:
+        if r.get("events"):
+            print(f"{r['scenario']} events: {', '.join(r['events'])}")
+    if "decode_ratio" in ab:
+        print(
+            "guard on vs off, same process, hand-fixed FA2 model, alternating rounds "
+            "(unguarded time / guarded time, median of per-round ratios [min, max]):"
+        )
+        for name in ("prefill", "decode"):
+            lo, hi = ab[f"{name}_ratio_range"]
+            print(
+                f"  {name}: off {ab[f'{name}_off_ms']:.2f} ms, on {ab[f'{name}_on_ms']:.2f} ms, "
+                f"ratio {ab[f'{name}_ratio']:.3f} [{lo:.3f}, {hi:.3f}]"
+            )
+    else:
+        print(f"ab_fa2 error: {ab.get('error', '?')[-500:]}")
+    print(json.dumps([*results, ab]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
