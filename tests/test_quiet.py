@@ -108,13 +108,20 @@ if __name__ == "__main__":
 """
 
 
+def interpreters_own(stderr: str) -> list[str]:
+    """stderr without multiprocessing's resource_tracker warnings ("leaked semaphore objects"),
+    which a spawn DataLoader run prints now and then on a busy machine, guarded or not (seen in
+    an unguarded run under CI load)."""
+    return [line for line in stderr.splitlines() if "resource_tracker" not in line]
+
+
 @needs_hook
 def test_spawned_dataloader_workers_add_nothing(tmp_path: Path) -> None:
     plain = run_script(tmp_path, DATALOADER, env=env_for(ATTNGUARD="0"))
     guarded = run_script(tmp_path, DATALOADER, env=env_for(ATTNGUARD="1"))
     assert plain.returncode == guarded.returncode == 0, guarded.stderr
     assert guarded.stdout == plain.stdout == "sum 496.0\n"
-    assert guarded.stderr.splitlines() == plain.stderr.splitlines()
+    assert interpreters_own(guarded.stderr) == interpreters_own(plain.stderr)
     # every event in a file: one activation and one summary, both from the training process
     log = tmp_path / "ev-{rank}.jsonl"
     res = run_script(tmp_path, DATALOADER, env=env_for(ATTNGUARD="1", ATTNGUARD_LOG=str(log)))
