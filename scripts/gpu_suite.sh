@@ -166,7 +166,9 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>>"$log" || 
   python3 -c "import importlib.metadata as m; print('xformers', m.version('xformers'), '/ structlog', m.version('structlog'))" 2>&1 | tail -n 1
   echo "$flash_line"
   echo "start-up hook: ATTNGUARD=1 -> attnguard $hook_check"
-  echo "attnguard checkout: $(git rev-parse --short HEAD 2>/dev/null || echo 'no .git here')"
+  # the device's copy of the tree has no trustworthy .git: name the code by its content instead
+  # (the same command on the checkout says which commit that is)
+  echo "attnguard sources: sha256 $(find attnguard -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-12) (find attnguard -name '*.py' | LC_ALL=C sort | xargs cat | sha256sum)"
   echo "parts:${parts}; budget ${BUDGET}s"
   echo '```'
 } >"$results"
