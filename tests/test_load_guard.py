@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -376,6 +377,84 @@ def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
     )
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert any(e["site"] == "transformers.load.remedy" for e in only(captured, "internal_error"))
+
+
+# --- the caller's own load errors: propagate once, at once, never internal_error (issue 10, 4) ---
+
+
+def _cast_plan(*_a: Any, **_k: Any) -> Plan:
+    """A plan that changes the load (a bf16 cast), so a failure could in principle be ours."""
+    from dataclasses import replace
+
+    from attnguard.plan import Action
+
+    cast = Action("fp32-cast", "model_cast", "flash_needs_half", "test", "cast", "", "f32", "bf16")
+    return replace(Plan(LoadRequest(attn_implementation="sdpa"), dtype="bfloat16"), actions=(cast,))
+
+
+@pytest.mark.parametrize(
+    ("error", "loads", "internal"),
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1, 0),
+        # control: an error the cast can have caused is reported and the caller's call retried
+        (RuntimeError("expected scalar type BFloat16 but found Float"), 2, 1),
+    ],
+)
+def test_out_of_memory_inside_a_changed_load_is_not_retried(
+    error: Exception,
+    loads: int,
+    internal: int,
+    tiny_checkpoint: Any,
+    guard: Any,
+    captured: list[dict[str, Any]],
+    monkeypatch: Any,
+) -> None:
+    calls = []
+
+    def failing(*_a: Any, **_k: Any) -> Any:
+        calls.append(1)
+        raise error
+
+    monkeypatch.setattr(remedies, "plan_load", _cast_plan)
+    monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model", failing)
+    with pytest.raises(type(error)) as got:
+        transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_checkpoint("llama"), attn_implementation="sdpa"
+        )
+    assert got.value is error  # the caller sees the load's own error, unchanged
+    assert len(calls) == loads  # OOM: once, at once; no second load of a model that won't fit
+    assert len(only(captured, "internal_error")) == internal
+
+
+def test_a_missing_checkpoint_is_the_callers_error(
+    tmp_path: Path, guard: Any, captured: list[dict[str, Any]]
+) -> None:
+    missing = tmp_path / "no-such-model"
+    attnguard.deactivate()
+    with pytest.raises(Exception) as plain:  # OSError, or HFValidationError on some releases
+        transformers.AutoModelForCausalLM.from_pretrained(missing, attn_implementation=FLASH)
+    guard()
+    with pytest.raises(Exception) as guarded:
+        transformers.AutoModelForCausalLM.from_pretrained(missing, attn_implementation=FLASH)
+    assert type(guarded.value) is type(plain.value) and str(guarded.value) == str(plain.value)
+    assert only(captured, "internal_error") == []
+
+
+def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
+    """transformers' own message for ``device_map="auto"`` without accelerate: the caller's
+    device_map, so not ours (no retry); the same message after attnguard injected a device_map
+    is ours (retried with the caller's own call)."""
+    msg = (
+        "Using a `device_map`, `tp_plan`, `torch.device` context manager or setting "
+        "`torch.set_default_device(device)` requires `accelerate`. You can install it with "
+        "`pip install accelerate`"
+    )
+    caller = {"device_map": "auto"}
+    assert not remedies.could_be_ours(ValueError(msg), caller, {**caller, "dtype": "bf16"})
+    assert remedies.could_be_ours(ValueError(msg), {}, {"device_map": {"": "cuda:0"}})
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    assert not remedies.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
+    assert not remedies.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
 
 
 def _with_change(plan: Plan) -> Plan:
