@@ -554,3 +554,44 @@ def test_attnguard_itself_stays_importable_without_sys_argv() -> None:
         env=env_for(ATTNGUARD_LOG="none"),
     )
     assert res.returncode == 0 and res.stdout == "True\n", res.stderr
+
+
+# --- 7. a fact probe that would kill the process ---------------------------------------------------
+
+CRASHING_FLASH = {
+    # an installed flash-attn (metadata and all) whose import kills the interpreter, as a badly
+    # broken native extension does
+    "flash_attn/__init__.py": "import ctypes\nctypes.string_at(0)  # SIGSEGV\n",
+    "flash_attn-2.8.3.dist-info/METADATA": "Metadata-Version: 2.1\nName: flash-attn\nVersion: 2.8.3\n",
+    "flash_attn-2.8.3.dist-info/RECORD": "",
+}
+
+SDPA_USER = """
+import sys
+if sys.argv[2] == "guarded":
+    import attnguard
+import torch
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa")
+with torch.no_grad():
+    print(model(torch.tensor([[1, 5, 9, 2]])).logits.flatten()[:4].tolist())
+print("flash_attn imported:", "flash_attn" in sys.modules)
+"""
+
+
+def test_a_flash_attn_whose_import_crashes_does_not_touch_an_sdpa_program(
+    tmp_path: Path, tiny_checkpoint
+) -> None:
+    site = tmp_path / "site"
+    for rel, text in CRASHING_FLASH.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    env = env_for(site, ATTNGUARD_LOG=str(tmp_path / "ev.jsonl"))
+    crash = run_py("import flash_attn", env=env)
+    assert crash.returncode == -11  # the stand-in really kills the process
+    path = str(tiny_checkpoint("llama"))
+    plain = run_py(SDPA_USER, path, "plain", env={**env, "ATTNGUARD": "0"})
+    guarded = run_py(SDPA_USER, path, "guarded", env=env)
+    assert plain.returncode == guarded.returncode == 0, guarded.stderr[-2000:]
+    assert guarded.stdout == plain.stdout
+    assert guarded.stdout.endswith("flash_attn imported: False\n")
