@@ -493,10 +493,28 @@ def emit(
         return False
     if is_helper():
         fields["helper"] = True
-    getattr(_get_chain(), level if level in _LEVELNO else default)(
+    name = level if level in _LEVELNO else default
+    if not _anyone_listens(_LEVELNO.get(name, 20)):
+        return True  # counted (the summary has it); nothing would write it: build nothing
+    getattr(_get_chain(), name)(
         event, site=site, reason_code=reason_code, count=count, _console=console, **fields
     )
     return True
+
+
+def _anyone_listens(levelno: int) -> bool:
+    """Would any sink write an event of this level? The "attnguard" logger only when it is
+    enabled for the level (Python's default: WARNING and up); a stream only at or above its
+    threshold. Where nothing would (an INFO ``activated`` on a default setup), the event is not
+    rendered and structlog, with what it imports (rich, pygments where installed), is never
+    imported: a process where nothing happens pays nothing for it."""
+    for sink in list(_state.sinks):
+        if sink is _to_stdlib:
+            if stdlib_logger.isEnabledFor(levelno):
+                return True
+        elif not isinstance(sink, StreamSink) or sink.threshold <= levelno:
+            return True
+    return False
 
 
 def counts() -> dict[tuple[str, str | None, str | None], int]:
@@ -538,7 +556,7 @@ def summary_fields() -> dict[str, Any]:
 def _at_exit() -> None:
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
     with contextlib.suppress(BaseException):
-        if _state.settings.enabled:
+        if _state.settings.enabled and not _nothing_to_summarise():
             # one job-wide summary from rank 0 under a launcher, else this process's own
             from .summary import emit_exit_summary
 
@@ -546,6 +564,17 @@ def _at_exit() -> None:
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
+
+
+def _nothing_to_summarise() -> bool:
+    """A single process where nothing happened and nothing would write an INFO summary: the
+    summary would be counted and dropped, so its module is not even imported. Ranks of a job
+    always take part (rank 0 gathers every rank's counts)."""
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        return False
+    with _state.lock:
+        happened = any(key[0] not in _UNIQUE for key in _state.counts)
+    return not happened and not _anyone_listens(_LEVELNO["info"])
 
 
 def register_exit_summary() -> None:
