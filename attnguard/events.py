@@ -570,7 +570,7 @@ def _nothing_to_summarise() -> bool:
     """A single process where nothing happened and nothing would write an INFO summary: the
     summary would be counted and dropped, so its module is not even imported. Ranks of a job
     always take part (rank 0 gathers every rank's counts)."""
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+    if launch_context()["world_size"] > 1:
         return False
     with _state.lock:
         happened = any(key[0] not in _UNIQUE for key in _state.counts)

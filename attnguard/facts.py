@@ -719,17 +719,6 @@ _lock = threading.RLock()
 _machine: tuple[Hardware, Backends, dict[str, Any]] | None = None
 
 
-def _imported_version(name: str) -> str | None:
-    """The version of an imported package (what really runs; no metadata scan), else its
-    distribution's metadata."""
-    version = getattr(sys.modules.get(name), "__version__", None)
-    if version is not None:
-        return str(version)
-    from .runtime import versions
-
-    return versions().get(name)
-
-
 def _this_machine() -> tuple[Hardware, Backends, dict[str, Any]]:
     """The cached hardware / backends objects and versions of this process (nothing probed yet)."""
     global _machine
@@ -737,11 +726,13 @@ def _this_machine() -> tuple[Hardware, Backends, dict[str, Any]]:
     if machine is None:
         with _lock:
             if _machine is None:
+                from .runtime import imported_version
+
                 hardware = Hardware()
                 static = {
                     "accelerate": _find_spec("accelerate"),
-                    "torch_version": _imported_version("torch"),
-                    "transformers_version": _imported_version("transformers"),
+                    "torch_version": imported_version("torch", "torch"),
+                    "transformers_version": imported_version("transformers", "transformers"),
                 }
                 holder: list[Facts] = []
                 backends = Backends(lambda name: _probe_backend(name, holder[0]))

@@ -61,19 +61,16 @@ def integrations() -> dict[str, Any]:
     return {name: _patch_module(name) for name in INTEGRATIONS}
 
 
-def _installed_version(name: str) -> str | None:
-    """The version of the library being patched: its top-level ``__version__`` (what is really
-    imported), else its distribution's metadata."""
-    from .patches import INTEGRATIONS, SUPPORTED
-
-    top = sys.modules.get(INTEGRATIONS[name][1].partition(".")[0])
-    version = getattr(top, "__version__", None)
-    if isinstance(version, str):
-        return version
+def imported_version(module: str, dist: str) -> str | None:
+    """The version of an imported package: its ``__version__`` (what really runs, no metadata
+    scan), else the distribution's metadata; None when neither says."""
+    version = getattr(sys.modules.get(module), "__version__", None)
+    if version is not None:
+        return str(version)
     from importlib import metadata
 
     try:
-        return metadata.version(SUPPORTED[name][0])
+        return metadata.version(dist)
     except Exception:
         return None
 
@@ -81,9 +78,9 @@ def _installed_version(name: str) -> str | None:
 def _version_refused(name: str) -> bool:
     """True (after one ``observed`` event per process) when the installed library is outside
     the versions the integration declares."""
-    from .patches import unsupported
+    from .patches import INTEGRATIONS, SUPPORTED, unsupported
 
-    version = _installed_version(name)
+    version = imported_version(INTEGRATIONS[name][1].partition(".")[0], SUPPORTED[name][0])
     why = unsupported(name, version)
     if why is None:
         return False
