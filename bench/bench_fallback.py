@@ -70,6 +70,48 @@ def make_checkpoint(path: Path, layers: int) -> None:
     model.save_pretrained(path)
 
 
+def time_ms(fn: Any, iters: int) -> float:
+    """Median of ``iters`` timed calls (CUDA events) after 3 warm-up calls."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def workloads(model: Any, batch: int, seq: int) -> tuple[Any, Any]:
+    """(prefill, decode): a ``batch`` x ``seq`` forward without cache, and one decode step per
+    sequence against a ``seq``-token KV cache (cropped back after each step, so every step sees
+    the same context length). Call under ``torch.no_grad()``."""
+    import torch
+    from transformers import DynamicCache
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
+    cache = DynamicCache()
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    step = ids[:, -1:]
+
+    def prefill() -> None:
+        model(input_ids=ids, use_cache=False)
+
+    def decode() -> None:
+        model(input_ids=step, past_key_values=cache, use_cache=True)
+        cache.crop(seq)
+
+    return prefill, decode
+
+
 def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[str, Any]:
     """One scenario, in this process: load as the user would, then time prefill and decode."""
     import torch
@@ -80,7 +122,7 @@ def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[st
         from attnguard import events
 
         events.reset_counts()
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     if scenario == "hand_fa2":
         kw: dict[str, Any] = {"attn_implementation": FLASH, "dtype": torch.bfloat16}
@@ -108,35 +150,10 @@ def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[st
     if p.device.type != "cuda":
         info["error"] = "the model is not on the GPU"
         return info
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
-
-    def time_ms(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
-
     with torch.no_grad():
-        info["prefill_ms"] = time_ms(lambda: model(input_ids=ids, use_cache=False))
-        cache = DynamicCache()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        step = ids[:, -1:]
-
-        def decode() -> None:
-            model(input_ids=step, past_key_values=cache, use_cache=True)
-            cache.crop(seq)  # every step sees the same context length
-
-        info["decode_ms"] = time_ms(decode)
+        prefill, decode = workloads(model, batch, seq)
+        info["prefill_ms"] = time_ms(prefill, iters)
+        info["decode_ms"] = time_ms(decode, iters)
     return info
 
 
@@ -152,41 +169,13 @@ def child_ab(path: str, batch: int, seq: int, iters: int, rounds: int = 9) -> di
     import attnguard
 
     attnguard.deactivate()
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         path, attn_implementation=FLASH, dtype=torch.bfloat16, device_map="cuda:0"
     ).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
-
-    def time_ms(fn: Any) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
-
     with torch.no_grad():
-        cache = DynamicCache()
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        step = ids[:, -1:]
-
-        def decode() -> None:
-            model(input_ids=step, past_key_values=cache, use_cache=True)
-            cache.crop(seq)
-
-        def prefill() -> None:
-            model(input_ids=ids, use_cache=False)
-
+        prefill, decode = workloads(model, batch, seq)
         out: dict[str, Any] = {"scenario": "ab_fa2"}
         for name, fn in (("prefill", prefill), ("decode", decode)):
             off, on, ratios = [], [], []
@@ -197,7 +186,7 @@ def child_ab(path: str, batch: int, seq: int, iters: int, rounds: int = 9) -> di
                         attnguard.activate(log="none")
                     else:
                         attnguard.deactivate()
-                    pair[guarded] = time_ms(fn)
+                    pair[guarded] = time_ms(fn, iters)
                 off.append(pair[False])
                 on.append(pair[True])
                 ratios.append(pair[False] / pair[True])
