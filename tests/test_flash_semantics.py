@@ -22,63 +22,22 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from workers.semantics_worker import FAMILIES, WINDOW, make  # the GPU comparison's checkpoints
 
 import attnguard
 from attnguard import events
 from attnguard.patches import transformers_kernels
 
 FLASH = "flash_attention_2"
-WINDOW = 4
-
 if not transformers_kernels.covers():
     pytest.skip("the SDPA twins do not cover this transformers release", allow_module_level=True)
 
 
-def config(family: str) -> Any:
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=WINDOW)
-    if family == "gemma2":
-        return transformers.Gemma2Config(
-            **common,
-            head_dim=16,
-            sliding_window=WINDOW,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=None,
-            query_pre_attn_scalar=16,
-        )
-    raise ValueError(family)
-
-
-FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = {}
-    for family in FAMILIES:
-        torch.manual_seed(0)
-        cfg = config(family)
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
-        path = tmp_path_factory.mktemp(family)
-        model.save_pretrained(path)
-        out[family] = path
-    return out
+    root = tmp_path_factory.mktemp("semantics")
+    make(root)  # the same seeded checkpoints the GPU comparison uses
+    return {family: root / family for family in FAMILIES}
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ tests/gpu/test_semantics_gpu.py.
     python semantics_worker.py run {real|twins} ROOT OUT_FILE [--device cuda:0]
 
 ``make`` saves seeded float32 checkpoints of Llama, Qwen2, Mistral (sliding_window=4) and Gemma 2
-(head_dim 16, sliding_window 4, attn_logit_softcapping 5.0): the configs of
-tests/test_flash_semantics.py, repeated here so this worker never imports a test module.
+(head_dim 16, sliding_window 4, attn_logit_softcapping 5.0). tests/test_flash_semantics.py
+imports ``config`` and ``make`` from here, so the CPU and GPU comparisons use the same models.
 
 ``run`` loads each with ``from_pretrained(path, attn_implementation="flash_attention_2",
 dtype=torch.bfloat16, device_map=DEVICE)`` and records logits and generated tokens for:
