@@ -83,6 +83,40 @@ def test_a_guarded_program_where_nothing_happens_prints_nothing(tmp_path: Path) 
     assert recs[1]["reason"] == "0 change(s) applied by attnguard in this process"
 
 
+NO_REMEDY_LOAD = """
+import json, sys
+if sys.argv[2] == "guarded":
+    import attnguard
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa")
+with torch.no_grad():
+    logits = model(torch.tensor([[1, 5, 9, 2]])).logits
+print(json.dumps({"logits": logits.flatten()[:4].tolist(),
+                  "modules": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+def test_a_load_needing_no_remedy_imports_nothing_the_program_did_not(
+    tmp_path: Path, tiny_checkpoint
+) -> None:
+    """xformers (installed by the test command, its ops unusable here) and the broken flash-attn
+    build on the path: an sdpa load probes neither, and the events nobody's sink takes are not
+    rendered (no structlog, nor rich / pygments through it)."""
+    broken = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
+    paths = [broken] if broken else []
+    path = str(tiny_checkpoint("llama"))
+    plain = run_script(tmp_path, NO_REMEDY_LOAD, path, "plain", env=env_for(*paths, ATTNGUARD="0"))
+    guarded = run_script(tmp_path, NO_REMEDY_LOAD, path, "guarded", env=env_for(*paths))
+    assert plain.returncode == guarded.returncode == 0, guarded.stderr[-2000:]
+    assert guarded.stderr == plain.stderr
+    got, want = json.loads(guarded.stdout), json.loads(plain.stdout)
+    assert got["logits"] == want["logits"]
+    extra = set(got["modules"]) - set(want["modules"])
+    assert extra <= {"attnguard", "_attnguard_hook", "wrapt"}, extra
+    assert "attnguard" in extra  # the guard was on
+
+
 def test_activated_once_per_process_and_again_only_for_new_settings(captured) -> None:
     attnguard.activate(log="none")
     attnguard.configure()  # the same settings
