@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from . import kernels, torch_flash
 from .masks import alibi_bias, band_mask, check_alibi, normalize_window, padded_band
 from .sdpa import BiasRows, masked_attention, sdpa
 
@@ -52,11 +53,26 @@ def flash_core(
         out = q.new_zeros(b, sq, h, v.shape[-1])
         lse = torch.full((b, h, sq), math.inf, dtype=torch.float32, device=q.device)
         return out, (lse if need_lse else None)
+    if lens is None:
+        route = kernels.dense(
+            flash_ok=torch_flash.can_run(q, k, v, window=torch_flash.windowed(window)),
+            window=window,
+            sq=sq,
+            sk=sk,
+            softcap=softcap,
+            alibi=alibi_slopes is not None,
+            need_lse=need_lse,
+        )
+        if kernels.ROUTES[route].kernel == "torch_flash":
+            out, lse = torch_flash.attention(
+                q, k, v, None, None, sq, sk, dropout_p=dropout_p, scale=scale, window=window
+            )
+            return out, (lse if need_lse else None)
+        if route == "dense-plain" and right == 0:  # causal with Sq == Sk: SDPA's own mask
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            out = sdpa(qt, kt, vt, None, dropout_p, True, scale)
+            return out.transpose(1, 2).contiguous(), None
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    plain = softcap <= 0 and not need_lse and alibi_slopes is None
-    if lens is None and plain and left < 0 and right == 0 and sq == sk:
-        out = sdpa(qt, kt, vt, None, dropout_p, True, scale)
-        return out.transpose(1, 2).contiguous(), None
     bias_rows: BiasRows | None = None
     if lens is None:
         keep, empty = band_mask(sq, sk, sk - sq, left, right, q.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from . import kernels, torch_flash
 from .dense import flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -180,6 +181,37 @@ def flash_attn_with_kvcache(
     window = normalize_window(window_size, causal, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
     q_per_position = window[0] >= 0 or window[1] >= 0
+    new_kv_fits = k is None or (
+        k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
+    )
+    route = kernels.kvcache(
+        flash_ok=new_kv_fits
+        and torch_flash.can_run(
+            q, k_cache, v_cache, window=torch_flash.windowed(window), seqused=True
+        ),
+        contiguous=k_cache.is_contiguous() and v_cache.is_contiguous(),
+        paged=block_table is not None,
+        batch_idx=cache_batch_idx is not None,
+        leftpad=cache_leftpad is not None,
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+    )
+    if route == "kvcache-flash":
+        out, lse = _on_torch_flash(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            scale=scale,
+            window=window,
+            rotary_interleaved=rotary_interleaved,
+            q_per_position=q_per_position,
+        )
+        return (out, lse) if return_softmax_lse else out
 
     if cache_seqlens is None:
         seqlens = torch.full((b,), capacity, dtype=torch.long, device=dev)
@@ -265,3 +297,93 @@ def flash_attn_with_kvcache(
         assert lse is not None
         return out, lse
     return out
+
+
+_POSITIONS: dict[tuple[torch.device, int, int, int], Tensor] = {}
+
+
+def _row_starts(b: int, capacity: int, n: int, device: torch.device) -> Tensor:
+    """int64 (b, n): ``row * capacity + t``, the flat cache index of new token t of row ``row``
+    at length 0 (made once per shape and device; decode steps reuse it)."""
+    key = (device, b, capacity, n)
+    found = _POSITIONS.get(key)
+    if found is None:
+        if len(_POSITIONS) > 256:
+            _POSITIONS.clear()
+        rows = torch.arange(b, device=device, dtype=torch.long)[:, None] * capacity
+        found = _POSITIONS[key] = rows + torch.arange(n, device=device, dtype=torch.long)
+    return found
+
+
+def _on_torch_flash(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    cache_seqlens: int | Tensor | None,
+    *,
+    scale: float,
+    window: tuple[int, int],
+    rotary_interleaved: bool,
+    q_per_position: bool,
+) -> tuple[Tensor, Tensor]:
+    """The route ``kvcache-flash``: contiguous caches, rows 0..b-1 of the cache.
+
+    New keys/values are written in place (one ``index_copy_`` each into the flattened cache),
+    then torch's flash kernel reads each row of the cache as one packed sequence of
+    ``capacity`` slots of which the first ``cache_seqlens + seqlen_new`` are real
+    (``seqused_k``): the kernel's own causal/window alignment to that end, no host read, no
+    gathered copy of the cache. Returns (out (b, sq, h, dv), lse (b, h, sq)).
+    """
+    b, sq, h, d = q.shape
+    capacity, hk, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    dev = q.device
+    k_flat = k_cache.view(-1, hk, d)
+    v_flat = v_cache.view(-1, hk, dv)
+    seqlens: Tensor | int | None = cache_seqlens
+    if isinstance(seqlens, Tensor):
+        seqlens = seqlens.to(device=dev, dtype=torch.int32).expand(b)
+    rotary = rotary_cos is not None and rotary_sin is not None
+
+    def rotate(x: Tensor, pos: Tensor) -> Tensor:
+        assert rotary_cos is not None and rotary_sin is not None
+        pos = pos.clamp(0, rotary_cos.shape[0] - 1).to(rotary_cos.device)
+        return apply_rotary(x, rotary_cos[pos].to(dev), rotary_sin[pos].to(dev), rotary_interleaved)
+
+    def at(offsets: Tensor) -> Tensor:  # (b, n) -> positions after each row's cached tokens
+        return offsets + (seqlens.view(b, 1) if isinstance(seqlens, Tensor) else int(seqlens or 0))
+
+    seqlen_new = 0
+    if k is not None and v is not None:
+        seqlen_new = k.shape[1]
+        if rotary:
+            k = rotate(k, at(torch.arange(seqlen_new, device=dev).expand(b, seqlen_new)))
+        flat = at(_row_starts(b, capacity, seqlen_new, dev)).view(-1)
+        k_flat.index_copy_(0, flat, k.reshape(b * seqlen_new, hk, d))
+        v_flat.index_copy_(0, flat, v.reshape(b * seqlen_new, hk, dv))
+    if rotary:
+        # Causal/local: query i sits at cache_seqlens + i; otherwise all at cache_seqlens.
+        steps = torch.arange(sq, device=dev).expand(b, sq) * int(q_per_position)
+        q = rotate(q, at(steps))
+    used: Tensor | None = None
+    if isinstance(seqlens, Tensor):
+        used = seqlens + seqlen_new
+    elif seqlens is not None:
+        used = torch.full((b,), int(seqlens) + seqlen_new, dtype=torch.int32, device=dev)
+    out, lse = torch_flash.attention(
+        q.reshape(b * sq, h, d),
+        k_flat,
+        v_flat,
+        torch_flash.strided_cu(b, sq, dev),
+        torch_flash.strided_cu(b, capacity, dev),
+        sq,
+        capacity,
+        dropout_p=0.0,
+        scale=scale,
+        window=window,
+        seqused_k=used,
+    )
+    return out.view(b, sq, h, dv), lse.view(h, b, sq).transpose(0, 1)

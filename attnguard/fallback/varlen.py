@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import kernels, torch_flash
 from .dense import FlashResult, flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -182,8 +183,10 @@ def flash_attn_varlen_func(
 ) -> FlashResult:
     """SDPA stand-in for ``flash_attn.flash_attn_varlen_func`` (flash-attn 2.x).
 
-    Eager calls attend each sequence on its own (batching sequences of equal lengths); under
-    torch.compile a padded-batch formulation keeps the graph whole (see ``_varlen_padded``).
+    Where torch's flash kernel can run, one call of it computes the packed rows (nothing read
+    on the host). Elsewhere eager calls attend each sequence on its own (batching sequences of
+    equal lengths) and under torch.compile a padded-batch formulation keeps the graph whole
+    (see ``_varlen_padded``). :mod:`attnguard.fallback.kernels` says which, and why.
     """
     if q.dim() != 3:
         raise ValueError("flash_attn_varlen_func expects q of shape (total_q, nheads, headdim)")
@@ -203,7 +206,30 @@ def flash_attn_varlen_func(
         "need_lse": return_attn_probs,
     }
 
-    if compiling():
+    in_graph = compiling()
+    route = kernels.varlen(
+        flash_ok=torch_flash.can_run(q, k, v, window=torch_flash.windowed(tuple(window_size))),
+        softcap=softcap,
+        alibi=alibi_slopes is not None,
+        paged=block_table is not None,
+        compiling=in_graph,
+    )
+    if route == "varlen-flash":
+        max_q = _seqlen_bound(max_seqlen_q, q.shape[0])
+        max_k = _seqlen_bound(max_seqlen_k, k.shape[0])
+        out, lse = torch_flash.attention(
+            q,
+            k,
+            v,
+            cu_seqlens_q.to(device=q.device, dtype=torch.int32),
+            cu_seqlens_k.to(device=q.device, dtype=torch.int32),
+            max_q,
+            max_k,
+            dropout_p=dropout_p,
+            scale=scale,
+            window=normalize_window(window_size, causal, max_k),
+        )
+    elif route == "varlen-compile":
         out, lse = _varlen_padded(
             q,
             k,

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from . import kernels, torch_flash
 from .sdpa import causal_sdpa, sdpa
 from .varlen import run_segments
 
@@ -24,10 +25,21 @@ _BLOCK_DIAGONAL_KINDS = {
 }
 
 
+def _seqstart(info: Any, starts: list[int], device: torch.device) -> Tensor:
+    """A block-diagonal bias's cu_seqlens as int32 on ``device`` (its own tensor when it has one
+    there, else copied from the host list it carries)."""
+    held = getattr(info, "seqstart", None)
+    if isinstance(held, Tensor) and held.device == device and held.dtype == torch.int32:
+        return held
+    return torch.tensor(starts, dtype=torch.int32, device=device)
+
+
 def _xf_block_diagonal(
     q: Tensor, k: Tensor, v: Tensor, bias: Any, kind: str, p: float, scale: float
 ) -> Tensor:
-    """Block-diagonal xformers biases, one SDPA call per group of equal-length blocks.
+    """Block-diagonal xformers biases: packed rows, one call of torch's flash kernel where it
+    can run (route ``xformers-blocks-flash``), else one SDPA call per group of equal-length
+    blocks.
 
     q/k/v are (1, M, H, D); returns (1, Mq, H, Dv).
     """
@@ -36,6 +48,30 @@ def _xf_block_diagonal(
     q_starts = [int(x) for x in bias.q_seqinfo.seqstart_py]
     k_starts = [int(x) for x in bias.k_seqinfo.seqstart_py]
     k_lens = [k_starts[i + 1] - k_starts[i] for i in range(len(k_starts) - 1)]
+    q_lens = [q_starts[i + 1] - q_starts[i] for i in range(len(q_starts) - 1)]
+    route = kernels.xformers(
+        flash_ok=torch_flash.can_run(q, k, v),
+        block_kind=kind,
+        equal_lengths=q_lens == k_lens,
+    )
+    if route == "xformers-blocks-flash":
+        cu_q, cu_k = (
+            _seqstart(info, starts, q.device)
+            for info, starts in ((bias.q_seqinfo, q_starts), (bias.k_seqinfo, k_starts))
+        )
+        out, _ = torch_flash.attention(
+            q[0],
+            k[0],
+            v[0],
+            cu_q,
+            cu_k,
+            max(q_lens, default=0),
+            max(k_lens, default=0),
+            dropout_p=p,
+            scale=scale,
+            window=(-1, -1) if kind == "none" else (-1, 0),
+        )
+        return out.unsqueeze(0)
     k0, v0 = k[0], v[0]
 
     def get_kv(i: int) -> tuple[Tensor, Tensor]:
