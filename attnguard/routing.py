@@ -5,11 +5,15 @@ for, or attnguard's SDPA twin of it (:mod:`attnguard.fallback` for the flash-att
 functions, :func:`attnguard.callguard.flash_call_on_sdpa` for transformers' flash registry entry).
 A twin takes exactly the arguments of the function it stands for and computes the same thing:
 flash-attn's masks (bottom-right causal alignment, windows, softcap, ALiBi, packed sequences) on
-torch's ``scaled_dot_product_attention``, whose dispatcher picks the fastest fused kernel that can
-take the call (flash, cuDNN, memory-efficient); the math path only where none can. No SDPA backend
-is ever forced.
+torch's own kernels: its bundled flash kernel where it can run, else
+``scaled_dot_product_attention``, whose dispatcher picks the fastest fused kernel that can take the
+call (flash, cuDNN, memory-efficient); the math path only where none can. No SDPA backend is ever
+forced.
 
-Two levels decide, with the same twins:
+Two levels decide here, with the same twins; a third, inside each twin, picks which of torch's
+kernels computes the call (torch's own flash kernel, SDPA's dispatcher, per-sequence SDPA,
+explicit math), fastest first where it can express the call: the table in
+:mod:`attnguard.fallback.kernels`.
 
 * **Per process, at load time** (:func:`flash_kernel_unusable`): flash attention was requested and
   the flash-attn kernel cannot run here at all (not installed, CUDA extension broken, no CUDA, GPU

@@ -314,7 +314,7 @@ def test_flash_window_normalised_like_flash_attn():
 def test_flash_explicit_path_chunked(monkeypatch):
     import attnguard.fallback as fb
 
-    monkeypatch.setattr(fb, "_MANUAL_CHUNK_ELEMS", 40)
+    monkeypatch.setattr(fb.sdpa, "_MANUAL_CHUNK_ELEMS", 40)
     b, sq, sk, h, d = 2, 7, 9, 2, 8
     q = rand(b, sq, h, d, seed=66)
     k = rand(b, sk, 1, d, seed=67)
@@ -332,14 +332,14 @@ def test_flash_explicit_path_chunked(monkeypatch):
 def test_flash_gqa_without_enable_gqa(monkeypatch):
     import attnguard.fallback as fb
 
-    real = fb.F.scaled_dot_product_attention
+    real = fb.sdpa.F.scaled_dot_product_attention
 
     def old_torch_sdpa(*args, **kwargs):
         if "enable_gqa" in kwargs:
             raise TypeError("unexpected keyword argument 'enable_gqa'")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fb.F, "scaled_dot_product_attention", old_torch_sdpa)
+    monkeypatch.setattr(fb.sdpa.F, "scaled_dot_product_attention", old_torch_sdpa)
     q = rand(2, 5, 6, 8, seed=69)
     k = rand(2, 5, 2, 8, seed=70)
     v = rand(2, 5, 2, 8, seed=71)
@@ -350,14 +350,14 @@ def test_flash_gqa_without_enable_gqa(monkeypatch):
 def test_flash_half_upcast_when_sdpa_rejects_dtype(monkeypatch):
     import attnguard.fallback as fb
 
-    real = fb.F.scaled_dot_product_attention
+    real = fb.sdpa.F.scaled_dot_product_attention
 
     def no_half_sdpa(q, k, v, **kwargs):
         if q.dtype in (torch.float16, torch.bfloat16):
             raise RuntimeError("no kernel for half on this device")
         return real(q, k, v, **kwargs)
 
-    monkeypatch.setattr(fb.F, "scaled_dot_product_attention", no_half_sdpa)
+    monkeypatch.setattr(fb.sdpa.F, "scaled_dot_product_attention", no_half_sdpa)
     q, k, v = (rand(1, 6, 2, 16, dtype=torch.bfloat16, seed=72 + i) for i in range(3))
     out = flash_attn_func(q, k, v, causal=True)
     check(out, ref_attention(q, k, v, keep=flash_keep(6, 6, True)), torch.bfloat16)
@@ -877,7 +877,7 @@ def test_flash_varlen_padded_path_matches_reference(monkeypatch):
     """The compile-time varlen formulation, run eagerly, against the float64 reference."""
     import attnguard.fallback as fb
 
-    monkeypatch.setattr(fb, "_compiling", lambda: True)
+    monkeypatch.setattr(fb.varlen, "compiling", lambda: True)
     test_flash_varlen_different_q_k_lengths_alibi_window_lse()
     test_flash_varlen_paged_block_table()
     # tokens before the first and after the last sequence give zeros and lse +inf
@@ -887,7 +887,7 @@ def test_flash_varlen_padded_path_matches_reference(monkeypatch):
     outside = torch.tensor([t < 2 or t >= 9 for t in range(12)])
     assert torch.equal(out[outside], torch.zeros_like(out[outside]))
     assert torch.isposinf(lse[:, outside]).all()
-    monkeypatch.setattr(fb, "_compiling", lambda: False)
+    monkeypatch.setattr(fb.varlen, "compiling", lambda: False)
     eager_out, eager_lse, _ = flash_attn_varlen_func(
         q, k, v, cu, cu, 4, 4, causal=True, return_attn_probs=True
     )
@@ -976,7 +976,9 @@ def test_band_mask_decisions_are_static_and_exact():
         for offset in range(-6, 7):
             for left in (-1, 0, 1, 3, 7):
                 for right in (-1, 0, 1, 3, 7):
-                    keep, empty = fb._band_mask(sq, sk, offset, left, right, torch.device("cpu"))
+                    keep, empty = fb.masks.band_mask(
+                        sq, sk, offset, left, right, torch.device("cpu")
+                    )
                     want = torch.tensor(
                         [
                             [

@@ -513,7 +513,7 @@ def test_kvcache_all_options_together(dtype):
 def test_kvcache_compile_formulation_matches_reference(monkeypatch):
     """Under compile the keys keep the full cache capacity (no host read of the lengths);
     that formulation, run eagerly, against the reference too."""
-    monkeypatch.setattr(fallback, "_compiling", lambda: True)
+    monkeypatch.setattr(fallback.kvcache, "compiling", lambda: True)
     test_kvcache_all_options_together(F32)
     test_kvcache_paged_shuffled_block_table(F32)
     test_kvcache_leftpad_with_window_and_lse_of_empty_rows()

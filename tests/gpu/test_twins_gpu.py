@@ -398,3 +398,121 @@ def test_bert_padding_matches_flash_attn(real):
         assert torch.equal(fallback.pad_input(hs, idx, 4, 33), real.pad_input(hs, idx, 4, 33))
         flat = x.flatten(0, 1)
         assert torch.equal(fallback.index_first_axis(flat, idx), real.index_first_axis(flat, idx))
+
+
+# ------------------------------------------------------------------------------------------
+# which torch kernel the twins use here, and gradients against the kernel's
+# ------------------------------------------------------------------------------------------
+
+GRAD_TOL = {BF16: 3e-2, FP16: 1e-2}  # relative to max |grad| of the kernel
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The kernel-table rows the twins take during a test (attnguard/fallback/kernels.py)."""
+    from attnguard.fallback import kernels
+
+    taken: list[str] = []
+    for name in ("dense", "varlen", "kvcache", "xformers"):
+        fn = getattr(kernels, name)
+
+        def spy(*args, _fn=fn, **kwargs):
+            taken.append(_fn(*args, **kwargs))
+            return taken[-1]
+
+        monkeypatch.setattr(kernels, name, spy)
+    return taken
+
+
+def assert_grads_close(got, ref, dtype):
+    for name, a, b in zip("qkv", got, ref, strict=True):
+        assert a.shape == b.shape and not torch.isnan(a).any(), name
+        err = (a.float() - b.float()).abs().max().item()
+        bound = GRAD_TOL[dtype] * max(b.float().abs().max().item(), 1e-3)
+        assert err <= bound, f"d{name}: max |twin - kernel| {err:.4g} > {bound:.4g}"
+
+
+PACKS = {
+    # name: (sequence lengths, heads, kv heads, head_dim, kwargs)
+    "many_short_gqa": (
+        [64 + (37 * i) % 449 for i in range(48)],
+        16,
+        4,
+        128,
+        {"causal": True},
+    ),
+    "few_long_window": (
+        [512, 2048, 1000, 1536],
+        8,
+        2,
+        128,
+        {"causal": True, "window_size": (255, 0)},
+    ),
+    "softcap_gqa": ([300, 17, 129, 64], 8, 2, 64, {"causal": True, "softcap": 30.0}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pack", list(PACKS))
+def test_varlen_packs_outputs_and_gradients_match_kernel(real, routes, pack, dtype):
+    lens, h, hk, d, kw = PACKS[pack]
+    total, cu, mx = sum(lens), _cu(lens), max(lens)
+    q = randn(total, h, d, dtype=dtype, seed=70).requires_grad_()
+    k = randn(total, hk, d, dtype=dtype, seed=71).requires_grad_()
+    v = randn(total, hk, d, dtype=dtype, seed=72).requires_grad_()
+    g = randn(total, h, d, dtype=dtype, seed=73)
+    got = fallback.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, **kw)
+    ref = real.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, **kw)
+    assert_out_close(got, ref, dtype)
+    assert_grads_close(
+        torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), dtype
+    )
+    # softcap has no fused torch kernel: per sequence; everything else: torch's flash kernel
+    want = "varlen-segments" if kw.get("softcap") else "varlen-flash"
+    assert routes[0] == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "sq, sk, kw, route",
+    [
+        (512, 512, {"causal": True}, "dense-plain"),
+        (300, 700, {"causal": True}, "dense-window-flash"),
+        (512, 512, {"causal": True, "window_size": (63, 0)}, "dense-window-flash"),
+    ],
+)
+def test_dense_outputs_and_gradients_match_kernel(real, routes, sq, sk, kw, route, dtype):
+    q = randn(2, sq, 8, 128, dtype=dtype, seed=80).requires_grad_()
+    k = randn(2, sk, 2, 128, dtype=dtype, seed=81).requires_grad_()
+    v = randn(2, sk, 2, 128, dtype=dtype, seed=82).requires_grad_()
+    g = randn(2, sq, 8, 128, dtype=dtype, seed=83)
+    got = fallback.flash_attn_func(q, k, v, **kw)
+    ref = real.flash_attn_func(q, k, v, **kw)
+    assert_out_close(got, ref, dtype)
+    assert_grads_close(
+        torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g), dtype
+    )
+    assert routes == [route]
+
+
+def test_kvcache_routes_on_this_gpu(real, routes):
+    """Decode steps with contiguous caches take torch's flash kernel; what it cannot express
+    (pages, a batch index, left padding, softcap, ALiBi) takes the general path."""
+    expected = {
+        "decode": "kvcache-flash",
+        "int_seqlens": "kvcache-flash",
+        "attend_whole_cache": "kvcache-flash",
+        "rotary_interleaved_causal": "kvcache-flash",
+        "window_local": "kvcache-flash",
+        "paged": "kvcache-general",
+        "batch_idx": "kvcache-general",
+        "leftpad": "kvcache-general",
+        "softcap": "kvcache-general",
+        "alibi": "kvcache-general",
+    }
+    for case, route in expected.items():
+        sq, sn, opts = KV_CASES[case]
+        q, kc, vc, kw, _ = kv_inputs(sq, sn, opts, BF16)
+        routes.clear()
+        fallback.flash_attn_with_kvcache(q, kc, vc, **kw)
+        assert routes == [route], case

@@ -1,0 +1,227 @@
+"""Which torch kernel computes a twin's call, and why: the one table.
+
+"Which kernel computes this call" is decided at two levels. :mod:`attnguard.routing` decides
+whether a call runs on the kernel the caller asked for or on attnguard's twin of it. This module
+decides, inside the twin, which of torch's kernels computes it: the fastest one this torch and
+GPU offer that can express the call's semantics (packed rows, windows, softcap, ALiBi, GQA,
+bottom-right causal alignment), and where a kernel cannot express a feature, one that can.
+
+The kernels, fastest first where they apply:
+
+* ``torch_flash``: torch's own FlashAttention-2 (:mod:`.torch_flash`): CUDA, compute capability
+  >= 8.0, fp16/bf16, head_dim <= 256. flash-attn's algorithm, so packed rows, windows and
+  bottom-right causality are native and nothing is read on the host. No softcap, no ALiBi.
+* ``sdpa``: ``scaled_dot_product_attention`` without a mask, no backend forced: the dispatcher
+  picks cuDNN on Hopper, torch's flash kernel on Ampere, memory-efficient attention elsewhere,
+  math only where no fused kernel takes the call. For plain dense calls (full, or causal with as
+  many queries as keys) it is the fastest there is (docs/benchmarks.md).
+* ``sdpa_mask``: SDPA with a boolean keep-mask and/or an additive float bias: windows, bottom-
+  right causality, ALiBi and padded batches where torch's flash kernel cannot run (CPU, fp32,
+  old GPUs) or ALiBi is asked for (memory-efficient or math backend).
+* ``explicit``: softmax attention written out in float32 (query rows in chunks): softcap, and the
+  softmax LSE where torch's flash kernel cannot give it.
+* ``per_sequence``: a packed call split at ``cu_seqlens`` (read on the host) into batches of
+  equal-length sequences, each computed as a dense call (rows above).
+* ``padded``: a packed call gathered into a padded (sequences x max_seqlen) batch with masks per
+  sequence, nothing read on the host (torch.compile, KV caches the fast path cannot take).
+
+Every route is a row of :data:`TABLE` (``attnguard doctor`` could print it; the tests walk every
+row). The route functions are pure: facts in, a row id out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the table: for calls of ``call`` when ``when`` holds, ``kernel`` computes."""
+
+    id: str
+    call: str  # dense | varlen | kvcache | xformers
+    kernel: str  # torch_flash | sdpa | sdpa_mask | explicit | per_sequence | padded
+    when: str
+    why: str
+
+
+TABLE: tuple[Route, ...] = (
+    # --- flash_attn_func and its packed variants (and each batch of per_sequence) ---
+    Route(
+        "dense-softcap",
+        "dense",
+        "explicit",
+        "softcap > 0",
+        "no torch kernel computes flash-attn's tanh softcapping of the scores",
+    ),
+    Route(
+        "dense-lse-flash",
+        "dense",
+        "torch_flash",
+        "the LSE is asked for (return_attn_probs), no ALiBi, torch's flash kernel can run",
+        "it returns flash-attn's float32 LSE with the output, in one fused call",
+    ),
+    Route(
+        "dense-lse",
+        "dense",
+        "explicit",
+        "the LSE is asked for and torch's flash kernel cannot give it (CPU, fp32, ALiBi, ...)",
+        "SDPA does not return the LSE",
+    ),
+    Route(
+        "dense-alibi",
+        "dense",
+        "sdpa_mask",
+        "alibi_slopes given",
+        "torch's flash build refuses ALiBi; SDPA takes it as an additive float32 bias",
+    ),
+    Route(
+        "dense-plain",
+        "dense",
+        "sdpa",
+        "no window, and full attention or causal with as many queries as keys",
+        "SDPA's dispatcher picks the fastest fused kernel (cuDNN on Hopper: faster than "
+        "flash-attn there); its causal mask is flash-attn's when Sq == Sk",
+    ),
+    Route(
+        "dense-window-flash",
+        "dense",
+        "torch_flash",
+        "a sliding window, or causal with fewer/more queries than keys; torch's flash kernel "
+        "can run",
+        "windows and bottom-right causality are native there: no mask tensor, a fused kernel",
+    ),
+    Route(
+        "dense-mask",
+        "dense",
+        "sdpa_mask",
+        "a sliding window or bottom-right causality where torch's flash kernel cannot run",
+        "SDPA with flash-attn's band as a boolean mask computes the same",
+    ),
+    # --- flash_attn_varlen_func and its packed variants ---
+    Route(
+        "varlen-flash",
+        "varlen",
+        "torch_flash",
+        "torch's flash kernel can run; no softcap, no ALiBi, no block_table",
+        "packed rows in one call, lengths never read on the host (as fast as flash-attn's varlen "
+        "kernel: docs/benchmarks.md)",
+    ),
+    Route(
+        "varlen-compile",
+        "varlen",
+        "padded",
+        "under torch.compile, where varlen-flash does not apply",
+        "cu_seqlens are data: reading them would break the graph; max_seqlen bounds the shapes",
+    ),
+    Route(
+        "varlen-segments",
+        "varlen",
+        "per_sequence",
+        "otherwise (CPU, fp32, softcap, ALiBi, a paged block_table)",
+        "each sequence computed exactly as a dense call; equal lengths batched together",
+    ),
+    # --- flash_attn_with_kvcache ---
+    Route(
+        "kvcache-flash",
+        "kvcache",
+        "torch_flash",
+        "torch's flash kernel can run (with seqused_k); contiguous caches; no block_table, "
+        "cache_batch_idx, cache_leftpad, softcap or ALiBi",
+        "new keys written in place with one index_copy_ each, then one call reading each "
+        "sequence's cache up to its length (seqused_k): no host read, no gathered copy",
+    ),
+    Route(
+        "kvcache-general",
+        "kvcache",
+        "padded",
+        "otherwise",
+        "the cache gathered per sequence (pages, batch index, left padding) and masked per "
+        "sequence; the dense rows compute it",
+    ),
+    # --- xformers.ops.memory_efficient_attention ---
+    Route(
+        "xformers-blocks-flash",
+        "xformers",
+        "torch_flash",
+        "a BlockDiagonal(Causal|CausalFromBottomRight)Mask bias (top-left causal only where each "
+        "block has as many queries as keys); torch's flash kernel can run",
+        "the blocks are packed rows: one varlen call",
+    ),
+    Route(
+        "xformers-blocks",
+        "xformers",
+        "per_sequence",
+        "any other block-diagonal bias",
+        "blocks of equal lengths batched into one SDPA call each",
+    ),
+    Route(
+        "xformers-bias",
+        "xformers",
+        "sdpa_mask",
+        "no bias, a tensor bias, a (bottom-right) lower-triangular mask or any other bias "
+        "object (materialised)",
+        "SDPA takes the bias as a mask; without one it is plain SDPA",
+    ),
+)
+
+ROUTES = {r.id: r for r in TABLE}
+
+
+def dense(
+    *,
+    flash_ok: bool,
+    window: tuple[int, int],
+    sq: int,
+    sk: int,
+    softcap: float,
+    alibi: bool,
+    need_lse: bool,
+) -> str:
+    """Route of a dense call; ``window`` is flash-attn's normalised (left, right), causal =
+    (-1, 0); ``flash_ok``: torch's flash kernel can take these tensors (with a window)."""
+    if softcap > 0:
+        return "dense-softcap"
+    if need_lse:
+        return "dense-lse-flash" if flash_ok and not alibi else "dense-lse"
+    if alibi:
+        return "dense-alibi"
+    left, right = window
+    full = left < 0 and right < 0
+    causal_aligned = left < 0 and right == 0 and sq == sk
+    if full or causal_aligned:
+        return "dense-plain"
+    return "dense-window-flash" if flash_ok else "dense-mask"
+
+
+def varlen(*, flash_ok: bool, softcap: float, alibi: bool, paged: bool, compiling: bool) -> str:
+    """Route of a packed (varlen) call."""
+    if flash_ok and softcap <= 0 and not alibi and not paged:
+        return "varlen-flash"
+    return "varlen-compile" if compiling else "varlen-segments"
+
+
+def kvcache(
+    *,
+    flash_ok: bool,
+    contiguous: bool,
+    paged: bool,
+    batch_idx: bool,
+    leftpad: bool,
+    softcap: float,
+    alibi: bool,
+) -> str:
+    """Route of a ``flash_attn_with_kvcache`` call."""
+    if flash_ok and contiguous and not (paged or batch_idx or leftpad or alibi) and softcap <= 0:
+        return "kvcache-flash"
+    return "kvcache-general"
+
+
+def xformers(*, flash_ok: bool, block_kind: str | None, equal_lengths: bool) -> str:
+    """Route of an xformers call; ``block_kind`` is none / top_left / bottom_right for the
+    block-diagonal biases, None for every other bias."""
+    if block_kind is None:
+        return "xformers-bias"
+    if flash_ok and (block_kind != "top_left" or equal_lengths):
+        return "xformers-blocks-flash"
+    return "xformers-blocks"

@@ -1,0 +1,164 @@
+"""torch's own flash-attention kernel: FlashAttention-2 as built into CUDA builds of torch
+(``torch.ops.aten._flash_attention_forward``, the kernel behind SDPA's flash backend and
+``torch.nn.attention.varlen``).
+
+It is flash-attn's own algorithm, so it computes flash-attn's semantics natively: packed rows
+through ``cu_seqlens`` (no host read of the lengths), GQA/MQA without repeated key/value heads,
+bottom-right causal alignment, sliding windows, dropout, the softmax LSE, and per-sequence key
+counts (``seqused_k``, a KV cache read only up to each sequence's length), with gradients
+(aten's ``FlashAttentionBackward``). It cannot do softcap, and torch's build refuses ALiBi
+("This flash attention build does not support alibi", torch 2.11 on an H100, 2026-11-24): those
+calls go to another kernel (:mod:`attnguard.fallback.kernels` decides). It needs a CUDA GPU of
+compute capability 8.0 or newer, fp16/bf16 and head_dim <= 256 (other head dims up to 256 are
+zero-padded to a multiple of 8 here, as SDPA's flash path pads them).
+
+Measured against the real flash-attn 2.8.3 kernel on an H100 (torch 2.11, bf16, 2026-11-24):
+outputs within bf16 rounding (max |diff| 0.0078 on a pack of 64 sequences, 18.3k tokens,
+32/8 heads, head_dim 128; 0 on small shapes), same gradients within bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+MAX_HEAD_DIM = 256
+MIN_CAPABILITY = (8, 0)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _op() -> Any:
+    try:
+        return torch.ops.aten._flash_attention_forward
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_OP = _op()
+
+
+@functools.cache
+def op_parameters() -> frozenset[str]:
+    """The keyword parameters this torch's kernel takes (window sizes from torch 2.6,
+    ``seqused_k``, ...): what it can express here."""
+    try:
+        return frozenset(a.name for a in _OP.default._schema.arguments)
+    except Exception:
+        return frozenset()
+
+
+@functools.cache
+def _gpu_ok(index: int) -> bool:
+    try:
+        return bool(
+            torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+        )
+    except Exception:
+        return False
+
+
+def can_run(
+    q: Tensor, k: Tensor, v: Tensor, *, window: bool = False, seqused: bool = False
+) -> bool:
+    """Whether torch's flash kernel can take q/k/v (devices, dtypes, head dims, this torch's
+    parameters). Decided from tensor metadata only: no tensor value is read."""
+    if _OP is None or not q.is_cuda:
+        return False
+    dt = q.dtype
+    if dt not in _HALF or k.dtype is not dt or v.dtype is not dt:
+        return False
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM or k.shape[-1] != d or v.shape[-1] != d:
+        return False
+    if k.device != q.device or v.device != q.device:
+        return False
+    params = op_parameters()
+    if window and "window_size_left" not in params:
+        return False
+    if seqused and "seqused_k" not in params:
+        return False
+    index = q.device.index
+    return _gpu_ok(torch.cuda.current_device() if index is None else index)
+
+
+def windowed(window: tuple[int, int]) -> bool:
+    """A normalised flash-attn window that is neither full (-1, -1) nor causal (-1, 0): the
+    kernel needs its window parameters for it."""
+    left, right = window
+    return left >= 0 or right > 0
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor | None,
+    cu_seqlens_k: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    dropout_p: float,
+    scale: float,
+    window: tuple[int, int],
+    seqused_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One kernel call. Dense: q (B, Sq, H, D), k/v (B, Sk, Hk, D), no cu_seqlens. Varlen:
+    q (total_q, H, D), k/v (total_k, Hk, D) with int32 cu_seqlens on q's device.
+
+    ``window`` is flash-attn's normalised (left, right); (-1, 0) is causal. Returns (out in q's
+    layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
+    """
+    d = q.shape[-1]
+    pad = (-d) % 8
+    if pad:  # the kernel takes head dims in multiples of 8; zeros change no score
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    left, right = window
+    kwargs: dict[str, Any] = {"scale": scale}
+    if windowed(window):
+        kwargs["window_size_left"] = left
+        kwargs["window_size_right"] = right
+    if seqused_k is not None:
+        kwargs["seqused_k"] = seqused_k
+    out, lse = _OP(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        float(dropout_p),
+        left < 0 and right == 0,  # causal
+        False,
+        **kwargs,
+    )[:2]
+    if pad:
+        out = out[..., :d]
+    return out, lse
+
+
+_CU_CACHE: dict[tuple[Any, int, int], Tensor] = {}
+
+
+def strided_cu(n: int, step: int, device: torch.device) -> Tensor:
+    """int32 ``[0, step, 2 * step, ..., n * step]`` on ``device``, made once per (device, n,
+    step): the cu_seqlens of n equal-length sequences (decode steps reuse them)."""
+    key = (device, n, step)
+    found = _CU_CACHE.get(key)
+    if found is None:
+        if len(_CU_CACHE) > 256:
+            _CU_CACHE.clear()
+        found = _CU_CACHE[key] = torch.arange(0, n + 1, dtype=torch.int32, device=device) * step
+    return found
