@@ -95,8 +95,8 @@ def test_the_sdist_holds_everything_the_readme_and_docs_point_to(sdist: tarfile.
             seen.add(path)
             if not in_sdist(path, inside):
                 missing.append(f"{doc.relative_to(REPO)} -> {path}")
-            elif path.endswith(".md") and (REPO / path).is_file():
-                docs.append(REPO / path)
+            elif path.endswith(".md") and path != "CHANGELOG.md" and (REPO / path).is_file():
+                docs.append(REPO / path)  # the changelog is history: it names files long gone
     assert missing == []
     # the walk reached what a newcomer needs
     for needed in ("scripts/test.sh", "docs/observability.md", "LICENSE", "SECURITY.md"):
