@@ -111,11 +111,11 @@ logging.getLogger("transformers").addHandler(_CastNotes())
 
 CAST_NOTE = (
     "transformers' flash code path casts float32 q/k/v to the autocast dtype, else to the dtype "
-    "of the layer's weights, before each flash call, and says so once. The weights are float32 "
-    "here, so the cast changes nothing: attnguard's SDPA twins compute in float32. Without "
-    'attnguard the real flash-attn kernel refuses float32 ("FlashAttention only support fp16 '
-    'and bf16 data type"); on a GPU, where you chose no dtype, attnguard loads such a model in '
-    "bf16 (see family_e_fp32_flash.py)."
+    "of the layer's weights, before each flash call, and says so once. Here that dtype is "
+    "float32, so the cast changes nothing. The real flash-attn kernel refuses float32 "
+    '("FlashAttention only support fp16 and bf16 data type"); attnguard\'s SDPA twins compute '
+    "it in float32, and on a GPU, where you chose no dtype, attnguard loads such a model in bf16 "
+    "(see family_e_fp32_flash.py)."
 )
 
 

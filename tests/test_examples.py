@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import transformers
 from conftest import PY, REPO, STANDINS, subprocess_env
 
@@ -143,7 +144,7 @@ def run_example(name: str, *extra_path: str | Path, quotes: bool = True) -> Run:
         if note in run.stderr:
             assert "Not from attnguard: transformers logged" in run.stdout
             assert "the cast changes nothing" in run.stdout
-    if quotes:
+    if quotes and not torch.cuda.is_available():  # the docs quote a CPU machine's output
         check_quotes(name, run)
     return run
 
