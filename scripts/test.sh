@@ -31,9 +31,11 @@ if [ ! -d "$xformers/xformers" ]; then
   "$PY" -m pip install -q --no-deps --target "$xformers" "xformers==0.0.35"
 fi
 
-# What pip would add to this environment for DeepSpeed goes into its directory instead.
+# What pip would add to this environment for DeepSpeed goes into its directory instead; made
+# again when it no longer completes the environment (made for another one that had more).
 deepspeed="$deps/deepspeed-0.19.8-$py"
-if [ ! -d "$deepspeed/deepspeed" ]; then
+if ! PYTHONPATH="$deepspeed" "$PY" scripts/requirements_met.py "deepspeed==0.19.8" >/dev/null; then
+  rm -rf "$deepspeed"
   missing=$(DS_BUILD_OPS=0 "$PY" -m pip install --dry-run -q --report - "$TORCH" "deepspeed==0.19.8" |
     "$PY" -c 'import json, sys
 print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]

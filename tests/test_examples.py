@@ -97,6 +97,15 @@ def check_quotes(name: str, run: Run) -> None:
             assert printed(pieces, lines), (name, pieces)
 
 
+def how_it_works_says(name: str, run: Run) -> None:
+    """docs/how-it-works.md's table of failures names, in this example's row, each event and
+    reason code the example emitted (its "—" rows are the ones a CPU run shows for real)."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    (row,) = _table_rows(text, "## The failures it fixes", f"examples/{name}")
+    for e in run.caused():
+        assert f"`{e['event']}`" in row[2] and f"`{e['reason_code']}`" in row[2], (row, e)
+
+
 def run_example(name: str, *extra_path: str | Path, quotes: bool = True) -> Run:
     env = subprocess_env(HF_HUB_OFFLINE="1", ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json")
     env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), env["PYTHONPATH"]])
@@ -293,6 +302,7 @@ def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
     (fallback,) = run.caused()
     assert fallback["reason_code"] == facts.EXTENSION_BROKEN
     assert "No module named 'flash_attn_2_cuda'" in fallback["reason"]
+    how_it_works_says("broken_flash_install.py", run)
     assert "with 'flash_attention_2'" in run.stdout and "one training step ran" in run.stdout
 
 
@@ -302,6 +312,7 @@ def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
     assert "No operator found for `memory_efficient_attention_forward`" in run.stdout
     assert run.events == ["backend_rerouted"]  # once per call site, then latched
     assert run.caused()[0]["reason_code"] == "cpu_tensors"
+    how_it_works_says("xformers_unusable.py", run)  # it said kernel_error_recovered
     # what to change, for an xformers call: nothing about flash kernels
     (summary,) = [e for e in run.logged if e["event"] == "summary"]
     assert summary["advice"] and all("flash" not in a["hint"] for a in summary["advice"])
