@@ -22,6 +22,10 @@ LOG_TARGETS_HELP = (
 )
 DTYPES = ("auto", "bf16", "fp16")
 FP32_POLICIES = ("cast", "fallback")
+# ATTNGUARD_KERNEL: "requested" computes every call with the kernel the caller asked for (unless
+# it cannot run); "fastest" (opt-in) serves flash-attention calls with the fastest kernel that
+# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.race).
+KERNEL_CHOICES = ("requested", "fastest")
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
 # always available; flash kernels are never a fallback target (they are what failed).
 FALLBACK_BACKENDS = ("sdpa", "eager", "flex_attention")
@@ -57,6 +61,12 @@ class Settings:
     dtype: str = "auto"
     fallback: tuple[str, ...] = ("sdpa", "eager")
     fp32_policy: str = "cast"
+    kernel: str = "requested"
+
+    @property
+    def fastest(self) -> bool:
+        """ATTNGUARD_KERNEL=fastest: flash-attention calls race for the fastest kernel."""
+        return self.kernel == "fastest" and self.enabled
 
     def allows(self, name: str) -> bool:
         """True when remedy or integration ``name`` is not disabled."""
@@ -237,6 +247,7 @@ _ENV = {
     "ATTNGUARD_DTYPE": "dtype",
     "ATTNGUARD_FALLBACK": "fallback",
     "ATTNGUARD_FP32_POLICY": "fp32_policy",
+    "ATTNGUARD_KERNEL": "kernel",
 }
 _VAR_OF = {f: v for v, f in _ENV.items()}
 
@@ -266,6 +277,8 @@ def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> An
         return tuple(names)
     if fld == "fp32_policy":
         return _choice(var, str(value), FP32_POLICIES)
+    if fld == "kernel":
+        return _choice(var, str(value), KERNEL_CHOICES)
     raise AssertionError(fld)
 
 

@@ -55,6 +55,9 @@ EVENTS: dict[str, str] = {
     "tensors_aligned": "warning",
     "kernel_error_recovered": "warning",
     "plan_mismatch": "warning",  # after loading, the model is not what the plan said
+    # opt-in (ATTNGUARD_KERNEL=fastest): which kernel serves a call bucket, with the evidence;
+    # emitted at warning when another kernel serves it, info when the requested one stays
+    "kernel_selected": "info",
     "internal_error": "error",  # attnguard itself failed; the original call ran instead
     "summary": "info",  # warning when it reports applied changes
 }
@@ -449,6 +452,8 @@ def _kind(event: str, applied: Any) -> int | None:
         return _ERROR
     if event in OBSERVATIONS:
         return _OBSERVED  # a finding, even when it says ``applied: false``
+    if event == "kernel_selected" and applied is None:
+        return _OBSERVED  # the requested kernel stays: nothing changed
     if applied is not None:
         return _APPLIED if applied else _WOULD_HAVE
     return _APPLIED if _state.settings.changes_things else _WOULD_HAVE
