@@ -92,8 +92,8 @@ def test_the_served_kernel_matches_the_real_one(fastest, case):
     real = guarded.__attnguard_original__
     if name == "flash_attn_func":
         b, s, h, hk, d = shape
-        q, k, v = randn(b, s, h, d, seed=1, grad=True), randn(b, s, hk, d, seed=2, grad=True)
-        v = randn(b, s, hk, d, seed=3, grad=True)
+        q = randn(b, s, h, d, seed=1, grad=True)
+        k, v = randn(b, s, hk, d, seed=2, grad=True), randn(b, s, hk, d, seed=3, grad=True)
         args = (q, k, v)
     else:
         total = sum(shape)
