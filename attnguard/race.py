@@ -217,11 +217,11 @@ def _measure(
         got, grads = results[name]
         ms = statistics.median(times[name])
         if ref is None:
-            out[name] = Measured(ms=ms)
+            out[name] = Measured(ms=ms, rounds=tuple(times[name]))
             continue
         out_diff = _rel_diff(got, ref[0]) if got.shape == ref[0].shape else math.inf
         grad_diff = None
         if grads is not None and ref[1] is not None:
             grad_diff = max(_rel_diff(a, b) for a, b in zip(grads, ref[1], strict=True))
-        out[name] = Measured(ms, out_diff, grad_diff)
+        out[name] = Measured(ms, out_diff, grad_diff, rounds=tuple(times[name]))
     return out

@@ -203,10 +203,16 @@ def candidates(call: Call, torch_flash_ok: bool) -> list[str]:
 class Measured:
     """One candidate's result on the call's own inputs."""
 
-    ms: float = math.inf
+    ms: float = math.inf  # median of the timed rounds
     out_diff: float = math.inf  # max |candidate - requested| / max |requested|, outputs
     grad_diff: float | None = None  # the same over q/k/v gradients (when the call trains)
     error: str | None = None
+    rounds: tuple[float, ...] = ()  # each timed round's ms, rounds interleaved across candidates
+
+
+def _faster_every_round(m: Measured, base: Measured, margin: float) -> bool:
+    pairs = list(zip(m.rounds, base.rounds, strict=False))
+    return all(mine <= theirs * (1.0 - margin) for mine, theirs in pairs)
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,10 @@ def pick(measured: dict[str, Measured], dtype: str, margin: float = MARGIN) -> V
             why[name] = f"gradients differ by {m.grad_diff:.3g} of max |grad| (> {tol:g})"
         elif m.ms > base.ms * (1.0 - margin):
             why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster than {base.ms:.3f} ms"
+        elif not _faster_every_round(m, base, margin):
+            # timing noise must not pick a kernel that is not really faster: the margin has
+            # to hold in every round, not only in the median
+            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster in every timed round"
         else:
             eligible.append((m.ms, name))
     if not eligible:

@@ -169,6 +169,12 @@ def test_the_winner_is_within_tolerance_and_faster_by_the_margin():
     assert "failed" in v.why["torch_flash"] and "1.67x" in v.why["sdpa"]
     slow = {REQUESTED: base, "sdpa": Measured(ms=9.8, out_diff=0.0)}
     assert selection.pick(slow, "bfloat16").winner == REQUESTED
+    noisy = {
+        REQUESTED: Measured(ms=10.0, out_diff=0.0, rounds=(10.0, 10.0, 10.0)),
+        "sdpa": Measured(ms=9.0, out_diff=0.0, rounds=(9.0, 8.9, 9.8)),  # one round not faster
+    }
+    assert selection.pick(noisy, "bfloat16").winner == REQUESTED
+    assert "every timed round" in selection.pick(noisy, "bfloat16").why["sdpa"]
     grads_off = {REQUESTED: base, "sdpa": Measured(ms=2.0, out_diff=0.0, grad_diff=0.2)}
     assert "gradients differ" in selection.pick(grads_off, "bfloat16").why["sdpa"]
     assert selection.pick({REQUESTED: Measured(error="x")}, "bfloat16").winner == REQUESTED
