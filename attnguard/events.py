@@ -1,8 +1,10 @@
 """One vocabulary of events, one private structlog chain, de-duplication and the exit summary.
 
 Every intervention (or decision not to intervene) becomes one event: a flat dict with fixed fields
-(schema, event, level, ts, pid, host, rank, local_rank, world_size, mode, site, reason_code,
-reason, count) plus event-specific ones. Events go to
+(schema, event, level, ts, pid, proc, host, rank, local_rank, world_size, mode, site,
+reason_code, reason, count) plus event-specific ones. ``proc`` tells processes apart for good (a
+new random id at start-up and in each forked child, which forgets its parent's counts), so
+``attnguard summary`` can add up counts over processes exactly. Events go to
 
 * the stdlib logger ``"attnguard"`` with every field as a LogRecord attribute, so whatever handler
   the host app installed (an OpenTelemetry LoggingHandler included) receives them;
@@ -20,7 +22,12 @@ line goes straight to the file descriptor underneath, so nothing of ours stays b
 
 Helper processes (DataLoader workers, tools such as ``pip`` run by a guarded program: children that
 share their parent's rank) stay quiet: no ``activated``, and a summary only when they changed (or
-would have changed) something; their events carry ``helper: true``.
+would have changed) something; their events carry ``helper: true``. A helper that later gets a
+rank identity of its own (a Ray actor sets RANK / WORLD_SIZE after start-up) is a rank from then
+on: the identity is read again at each event and at exit.
+
+This module does not know how the exit summary is made: :func:`register_exit_summary` takes the
+function to call (``attnguard.summary`` imports this module, never the other way round).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import safefiles
 from .config import Settings
 from .reasons import known as known_reason
 
@@ -94,6 +102,31 @@ def launch_context(environ: os._Environ[str] | dict[str, str] | None = None) -> 
     }
 
 
+# What makes a process a rank of a job of its own: a child whose identity equals the one its
+# guarded parent had is a helper of that parent (same RANK, same launch); one with another
+# identity (a torchrun worker, a Ray actor once it set RANK) is a rank.
+IDENTITY_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def launch_identity() -> str:
+    """This process's launch identity now (see :data:`IDENTITY_VARS`)."""
+    env = os.environ
+    return "|".join(env.get(v, "") for v in IDENTITY_VARS)
+
+
+def new_process_id() -> str:
+    """A fresh random process id (``proc`` in every event)."""
+    return os.urandom(8).hex()
+
+
 def is_compiling() -> bool:
     """True inside a torch.compile trace, where no Python side effect may run."""
     torch = sys.modules.get("torch")
@@ -116,6 +149,7 @@ def _add_context(_logger: Any, method: str, ed: dict[str, Any]) -> dict[str, Any
         "level": method,
         "ts": None,  # filled by the TimeStamper
         "pid": os.getpid(),
+        "proc": _state.proc,
         "host": _HOST,
         **launch_context(),
         "mode": _state.settings.mode,
@@ -136,6 +170,7 @@ _HEAD = (
     "level",
     "ts",
     "pid",
+    "proc",
     "host",
     "rank",
     "local_rank",
@@ -149,7 +184,7 @@ class _Fanout:
 
     def _dispatch(self, **ed: Any) -> None:
         console = ed.pop("_console", True)
-        for sink in list(_state.sinks):
+        for sink in (*_state.sinks, *_state.streams):
             try:
                 if isinstance(sink, StreamSink):
                     sink(ed, console=console)
@@ -227,9 +262,9 @@ def render_json(ed: dict[str, Any]) -> str:
 # JSON keeps everything; the console line keeps what a person scans for. The summary's counts
 # and advice are already in its reason.
 _CONSOLE_SKIP = frozenset(
-    {"schema", "event", "level", "ts", "pid", "host", "reason", "mode"}
+    {"schema", "event", "level", "ts", "pid", "proc", "host", "reason", "mode"}
     | {"settings", "keys", "sites", "events", "reasons", "advice", "event_ranks", "reason_ranks"}
-    | {"per_rank"}
+    | {"per_rank", "rank_procs", "ignored_records"}
 )
 
 
@@ -264,6 +299,7 @@ class StreamSink:
 
     ``ranks``: stderr lines only from these ranks (None: all). ``eager``: open the file now, so
     an unusable path is a clear error at activation (helpers open it at their first line only).
+    A settings change updates a sink in place (:meth:`update`): the file stays open.
     """
 
     def __init__(
@@ -275,26 +311,32 @@ class StreamSink:
         eager: bool = False,
     ) -> None:
         self.target = target
-        self.render = render_json if fmt == "json" else render_console
-        self.threshold = _LEVELNO.get(threshold, 20)
-        self.ranks = ranks
+        self.update(fmt, threshold, ranks)
         self._fd: int | None = None
+        self._opened: str | None = None  # the path the descriptor belongs to
         self._broken = False  # a file that failed once is not written again
+        self._closed = False  # replaced by a settings change: late lines are dropped
         self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
         self._lock = threading.Lock()
         if eager and target != "stderr":
             self._open()
+
+    def update(self, fmt: str, threshold: str, ranks: tuple[int, ...] | None) -> None:
+        self.render = render_json if fmt == "json" else render_console
+        self.threshold = _LEVELNO.get(threshold, 20)
+        self.ranks = ranks
 
     def path(self) -> str:
         ctx = launch_context()
         return self.target.format(rank=ctx["rank"], pid=os.getpid())
 
     def _open(self) -> int:
+        p = self.path()
+        if self._fd is not None and p != self._opened:
+            self._close()  # the rank was set after start-up (Ray): its own file from now on
         if self._fd is None:
-            p = self.path()
-            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-            self._fd = os.open(p, flags, 0o666)
+            self._fd = safefiles.open_log(p)
+            self._opened = p
         return self._fd
 
     def wants(self, ed: dict[str, Any], console: bool = True) -> bool:
@@ -309,6 +351,8 @@ class StreamSink:
             return
         line = self.render(ed) + "\n"
         with self._lock:
+            if self._closed:
+                return
             if self.target == "stderr":
                 self._to_stderr(line)
             elif not self._broken:
@@ -344,6 +388,7 @@ class StreamSink:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._close()
 
 
@@ -358,11 +403,16 @@ class _State:
         self.counts: dict[tuple[str, str | None, str | None], int] = {}
         # (event, site, reason_code) -> [applied, would_have, observed, internal_errors]
         self.kinds: dict[tuple[str, str | None, str | None], list[int]] = {}
-        self.streams: list[StreamSink] = []
-        self.sinks: list[Callable[..., None]] = [_to_stdlib]
-        self.summary_registered = False
-        self.helper = False  # a child of a guarded process that is not a rank of its own
+        # Replaced whole (never changed in place), so a running emit sees one configuration.
+        self.streams: tuple[StreamSink, ...] = ()
+        self.sinks: list[Callable[..., None]] = [_to_stdlib]  # the logger, then capture()s
+        self.exit_summary: Callable[[], None] | None = None
+        self.on_first_event: Callable[[], None] | None = None  # a rank announces it will report
+        self.first_event_seen = False
+        self.helper = False  # marked a helper at activation (see is_helper)
+        self.helper_identity = ""  # the launch identity it had then
         self.main_pid: int | None = None  # the process that activated (a fork is a helper)
+        self.proc = new_process_id()
         self.announced: Settings | None = None  # the settings the last ``activated`` reported
 
 
@@ -370,19 +420,30 @@ _state = _State()
 
 
 def _after_fork_in_child() -> None:
-    """A fork made while another thread held one of our locks must not hang on it."""
+    """A forked child is a process of its own: a new id, none of its parent's counts (they are
+    the parent's to report), and no lock another thread of the parent held at the fork."""
     _state.lock = threading.Lock()
     for sink in _state.streams:
         sink._lock = threading.Lock()
+    _state.proc = new_process_id()
+    _state.counts = {}
+    _state.kinds = {}
+    _state.first_event_seen = False
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def process_id() -> str:
+    """This process's id, as every event carries it (``proc``)."""
+    return _state.proc
+
+
 def set_helper(helper: bool) -> None:
     """Mark this process as a helper (or not); called by activation."""
     _state.helper = helper
+    _state.helper_identity = launch_identity()
     _state.main_pid = os.getpid()
 
 
@@ -402,44 +463,75 @@ def announce(settings: Settings) -> bool:
 
 
 def is_helper() -> bool:
-    """True in a helper process: marked at activation, or forked from the guarded process."""
-    return _state.helper or (_state.main_pid is not None and _state.main_pid != os.getpid())
+    """True in a helper process: forked from the guarded process, or marked a helper at
+    activation and still holding the launch identity it had then (one that later gets a rank of
+    its own, as Ray actors do, is a rank)."""
+    if _state.main_pid is None:
+        return False
+    if _state.main_pid != os.getpid():
+        return True
+    return _state.helper and launch_identity() == _state.helper_identity
 
 
 def configure_sinks(settings: Settings, eager: bool = False) -> None:
-    """(Re)build the stream sinks from settings; the stdlib sink is always on.
+    """Make the stream sinks match ``settings``; the stdlib sink is always on.
 
-    ``eager``: open log files now; an unusable path raises ValueError naming ATTNGUARD_LOG.
+    A target kept from before keeps its sink (and open file), updated in place; new ones are
+    made (``eager``: their files opened now); the configuration is swapped in one assignment,
+    so a line being written meanwhile goes to the old or the new one, never nowhere. An unusable
+    path raises ValueError naming ATTNGUARD_LOG and leaves the settings in force as they were.
     """
+    old = {sink.target: sink for sink in _state.streams}
+    made: list[StreamSink] = []
     new: list[StreamSink] = []
     for target in settings.log_targets:
+        fmt, threshold = settings.format_for(target), settings.threshold_for(target)
+        sink = old.get(target)
         try:
-            new.append(
-                StreamSink(
-                    target,
-                    settings.format_for(target),
-                    settings.threshold_for(target),
-                    settings.console_ranks,
-                    eager=eager,
-                )
-            )
+            if sink is None:
+                sink = StreamSink(target, fmt, threshold, settings.console_ranks, eager=eager)
+                made.append(sink)
+            elif eager and target != "stderr":
+                with sink._lock:
+                    sink._open()
         except OSError as exc:
-            for sink in new:
-                sink.close()
-            from .config import LOG_TARGETS_HELP
-
-            raise ValueError(
-                f"attnguard: invalid ATTNGUARD_LOG={settings.log!r} (cannot write "
-                f"{exc.filename or target}: {exc.strerror or exc}); valid values: "
-                f"{LOG_TARGETS_HELP}"
-            ) from None
-    for old in _state.streams:
-        old.close()
-        with contextlib.suppress(ValueError):
-            _state.sinks.remove(old)
+            for s in made:
+                s.close()
+            raise _unwritable(settings, target, exc) from None
+        new.append(sink)
+    for sink in new:
+        if sink not in made:
+            sink.update(
+                settings.format_for(sink.target),
+                settings.threshold_for(sink.target),
+                settings.console_ranks,
+            )
     _state.settings = settings
-    _state.streams = new
-    _state.sinks.extend(new)
+    _state.streams = tuple(new)
+    for sink in old.values():
+        if sink not in new:
+            sink.close()
+
+
+def _unwritable(settings: Settings, target: str, exc: OSError) -> ValueError:
+    from .config import LOG_TARGETS_HELP, shown
+
+    return ValueError(
+        f"attnguard: invalid ATTNGUARD_LOG={shown(settings.log)} (cannot write "
+        f"{shown(exc.filename or target, quote=False)}: {exc.strerror or exc}); valid values: "
+        f"{LOG_TARGETS_HELP}"
+    )
+
+
+def probe_log_files(settings: Settings) -> None:
+    """Open each log file of ``settings`` as this process would, then close it (a file made
+    only for the probe is removed): ValueError naming ATTNGUARD_LOG where it would fail."""
+    for target in settings.log_targets:
+        if target != "stderr":
+            try:
+                safefiles.probe_log(StreamSink(target, "json").path())
+            except OSError as exc:
+                raise _unwritable(settings, target, exc) from None
 
 
 def _kind(event: str, applied: Any) -> int | None:
@@ -491,6 +583,8 @@ def emit(
             tally[kind] += 1
     if count > 1 and event not in _UNIQUE:
         return False
+    if event not in _UNIQUE and not _state.first_event_seen:
+        _first_event()
     if is_helper():
         fields["helper"] = True
     name = level if level in _LEVELNO else default
@@ -502,19 +596,28 @@ def emit(
     return True
 
 
+def _first_event() -> None:
+    """Tell the job this process has something to report (its rank 0 then waits for it at
+    exit); retried at the next new event until the callback says it is done. Never raises."""
+    hook = _state.on_first_event
+    if hook is None:
+        return
+    try:
+        _state.first_event_seen = bool(hook())
+    except Exception:
+        _state.first_event_seen = True  # an announcement is a courtesy: never a second try
+
+
 def _anyone_listens(levelno: int) -> bool:
     """Would any sink write an event of this level? The "attnguard" logger only when it is
     enabled for the level (Python's default: WARNING and up); a stream only at or above its
     threshold. Where nothing would (an INFO ``activated`` on a default setup), the event is not
     rendered and structlog, with what it imports (rich, pygments where installed), is never
     imported: a process where nothing happens pays nothing for it."""
-    for sink in list(_state.sinks):
-        if sink is _to_stdlib:
-            if stdlib_logger.isEnabledFor(levelno):
-                return True
-        elif not isinstance(sink, StreamSink) or sink.threshold <= levelno:
+    for sink in _state.sinks:
+        if sink is not _to_stdlib or stdlib_logger.isEnabledFor(levelno):
             return True
-    return False
+    return any(sink.threshold <= levelno for sink in _state.streams)
 
 
 def counts() -> dict[tuple[str, str | None, str | None], int]:
@@ -556,11 +659,8 @@ def summary_fields() -> dict[str, Any]:
 def _at_exit() -> None:
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
     with contextlib.suppress(BaseException):
-        if _state.settings.enabled and not _nothing_to_summarise():
-            # one job-wide summary from rank 0 under a launcher, else this process's own
-            from .summary import emit_exit_summary
-
-            emit_exit_summary()
+        if _state.settings.enabled and _state.exit_summary and not _nothing_to_summarise():
+            _state.exit_summary()  # one job-wide summary from rank 0, else this process's own
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
@@ -577,10 +677,16 @@ def _nothing_to_summarise() -> bool:
     return not happened and not _anyone_listens(_LEVELNO["info"])
 
 
-def register_exit_summary() -> None:
-    """Emit ``summary`` at interpreter exit (once per process)."""
-    if not _state.summary_registered:
-        _state.summary_registered = True
+def register_exit_summary(
+    summarise: Callable[[], None], on_first_event: Callable[[], bool] | None = None
+) -> None:
+    """At interpreter exit call ``summarise`` (once per process; the latest one given), and
+    ``on_first_event`` when this process first records an event (True: done, else it is
+    tried again at the next new event)."""
+    _state.exit_summary = summarise
+    _state.on_first_event = on_first_event
+    if not getattr(_at_exit, "registered", False):
+        _at_exit.registered = True  # type: ignore[attr-defined]
         atexit.register(_at_exit)
 
 
@@ -591,6 +697,7 @@ def reset_counts() -> None:
         _state.counts.clear()
         _state.kinds.clear()
         _state.announced = None
+        _state.first_event_seen = False
 
 
 @contextlib.contextmanager

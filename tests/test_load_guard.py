@@ -361,7 +361,9 @@ def test_internal_failure_is_reported_and_the_original_runs(
     )
     assert model.config._attn_implementation == "sdpa"
     errors = only(captured, "internal_error")
-    assert len(errors) == 1 and "facts exploded" in errors[0]["reason"]
+    assert len(errors) == 1 and errors[0]["reason_code"] == "RuntimeError"
+    assert errors[0]["location"].startswith("attnguard/remedies.py:")
+    assert "facts exploded" not in json.dumps(errors[0])  # the type and place, not the text
 
 
 def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
