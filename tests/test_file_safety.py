@@ -374,3 +374,28 @@ def test_summary_of_files_without_events_says_so_and_fails(tmp_path: Path) -> No
         assert res.returncode == 1, path
         assert res.stdout.rstrip().endswith("no attnguard events found in these files")
         assert "nothing to change" not in res.stdout
+
+
+def test_rendezvous_files_are_private_and_never_follow_links(tmp_path: Path) -> None:
+    """docs/files.md's modes: the directory 0700, each record 0600 under a fresh name; a link
+    planted at a record's name is replaced, its target left alone; a link is never read."""
+    from attnguard import safefiles
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text(SECRET_NOTES)
+    old_umask = os.umask(0)
+    try:
+        with safefiles.PrivateDir(str(tmp_path / "job")) as d:
+            os.symlink(notes, tmp_path / "job" / "rank-1.json")
+            os.symlink(notes, tmp_path / "job" / "announce-1")
+            d.write("rank-1.json", b"{}")
+            assert (tmp_path / "job").stat().st_mode & 0o777 == 0o700
+            assert (tmp_path / "job" / "rank-1.json").lstat().st_mode & 0o777 == 0o600
+            assert d.read("rank-1.json", 100)[0] == b"{}"
+            with pytest.raises(safefiles.UnsafeFile, match="symbolic link"):
+                d.read("announce-1", 100)
+            with pytest.raises(safefiles.UnsafeFile, match=r"\(at most 1\)"):
+                d.read("rank-1.json", 1)
+    finally:
+        os.umask(old_umask)
+    assert notes.read_text() == SECRET_NOTES
