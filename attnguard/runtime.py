@@ -153,6 +153,8 @@ def _exit_summary() -> None:
 
 
 def _first_event() -> bool:
+    if events.launch_context()["world_size"] <= 1:
+        return False  # no job (yet: a Ray actor sets its rank later)
     from .summary import announce_first_event
 
     return announce_first_event()

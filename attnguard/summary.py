@@ -338,6 +338,10 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _has_events() -> bool:
+    return any(key[0] not in ("activated", "summary") for key in events.counts())
+
+
 def _record(rank: int) -> bytes:
     return json.dumps(
         {"v": 2, "rank": rank, "proc": events.process_id(), "keys": local_fields()["keys"]},
@@ -412,9 +416,10 @@ class _Channels:
         except OSError as exc:
             return None, f"rank-{rank}.json: {exc.strerror or exc}"
 
-    def clean_up(self) -> None:
+    def clean_up(self, reported: list[int]) -> None:
+        """Remove what was read, and the announcements of ranks whose report was taken."""
         if self.dir is not None:
-            for name in self.seen_files:
+            for name in self.seen_files + [f"announce-{r}" for r in reported]:
                 self.dir.remove(name)
             self.dir.remove_dir()
 
@@ -473,6 +478,8 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
             why = f"no job-wide summary: the process group's store failed ({type(exc).__name__})"
             _emit_local(note=why, console=rank == 0)
             return
+    if rank != 0 and store is None and not _has_events():
+        return  # nothing to report, and rank 0 does not wait for it: no file left behind
     directory = None
     try:
         directory = open_job_dir()
@@ -490,11 +497,12 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
             directory.close()
         return
     channels = _Channels(store, directory)
+    got = Gathered({}, "")
     try:
         own = RankRecord(events.process_id(), [k for k, _ in clean_keys(local_fields()["keys"])])
         got = _gather(world, own, channels, timeout)
     finally:
-        channels.clean_up()
+        channels.clean_up(list(got.records))
         if directory is not None:
             directory.close()
     _emit_job(got, world, timeout)
