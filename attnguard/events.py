@@ -16,9 +16,7 @@ We never call ``structlog.configure`` or ``logging.basicConfig``: the host app o
 The same (event, site, reason_code) is emitted once; later repeats only bump its counters (every
 occurrence is counted as applied, would-have or observed), which the ``summary`` at exit reports.
 
-Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
-and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
-line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
+How lines are written (never disturbing the program) is :mod:`attnguard.sinks`.
 
 Helper processes (DataLoader workers, tools such as ``pip`` run by a guarded program: children that
 share their parent's rank) stay quiet: no ``activated``, and a summary only when they changed (or
@@ -34,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -46,7 +43,22 @@ from typing import Any
 
 from . import safefiles
 from .config import Settings
+from .launch import IDENTITY_VARS, launch_context, launch_identity
 from .reasons import known as known_reason
+from .sinks import LEVELNO as _LEVELNO
+from .sinks import StreamSink, render_console, render_json
+
+__all__ = [
+    "EVENTS",
+    "IDENTITY_VARS",
+    "KINDS",
+    "StreamSink",
+    "emit",
+    "launch_context",
+    "launch_identity",
+    "render_console",
+    "render_json",
+]
 
 SCHEMA = 1
 
@@ -70,7 +82,6 @@ EVENTS: dict[str, str] = {
 _UNIQUE = frozenset({"activated", "summary"})
 # Events that report a finding, never a change.
 OBSERVATIONS = frozenset({"observed", "plan_mismatch"})
-_LEVELNO = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 # What each occurrence counts as, in the summary.
 KINDS = ("applied", "would_have", "observed", "internal_errors")
@@ -83,43 +94,6 @@ stdlib_logger = logging.getLogger("attnguard")
 # Keeps logging's last-resort handler from printing our records a second time on stderr when the
 # app configured no logging at all. Handlers the app adds still receive everything.
 stdlib_logger.addHandler(logging.NullHandler())
-
-
-def launch_context(environ: os._Environ[str] | dict[str, str] | None = None) -> dict[str, int]:
-    """rank / local_rank / world_size from the launcher's environment (torchrun, accelerate)."""
-    env = os.environ if environ is None else environ
-
-    def _int(name: str, default: int) -> int:
-        try:
-            return int(env.get(name, default))
-        except ValueError:
-            return default
-
-    return {
-        "rank": _int("RANK", 0),
-        "local_rank": _int("LOCAL_RANK", 0),
-        "world_size": _int("WORLD_SIZE", 1),
-    }
-
-
-# What makes a process a rank of a job of its own: a child whose identity equals the one its
-# guarded parent had is a helper of that parent (same RANK, same launch); one with another
-# identity (a torchrun worker, a Ray actor once it set RANK) is a rank.
-IDENTITY_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-def launch_identity() -> str:
-    """This process's launch identity now (see :data:`IDENTITY_VARS`)."""
-    env = os.environ
-    return "|".join(env.get(v, "") for v in IDENTITY_VARS)
 
 
 def new_process_id() -> str:
@@ -252,144 +226,6 @@ def _to_stdlib(ed: dict[str, Any]) -> None:
         attrs[name] = value
         taken.add(name)
     stdlib_logger.handle(record)
-
-
-def render_json(ed: dict[str, Any]) -> str:
-    """One JSON object on one line (non-JSON values become strings)."""
-    return json.dumps(ed, default=str, separators=(", ", ": "))
-
-
-# JSON keeps everything; the console line keeps what a person scans for. The summary's counts
-# and advice are already in its reason.
-_CONSOLE_SKIP = frozenset(
-    {"schema", "event", "level", "ts", "pid", "proc", "host", "reason", "mode"}
-    | {"settings", "keys", "sites", "events", "reasons", "advice", "event_ranks", "reason_ranks"}
-    | {"per_rank", "rank_procs", "ignored_records"}
-)
-
-
-def _one_line(value: object) -> str:
-    return " ".join(str(value).split())  # kernel errors span lines; a console event must not
-
-
-def render_console(ed: dict[str, Any]) -> str:
-    """Readable at a glance: the reason first, then the event name and the telling fields."""
-    fields = " ".join(
-        f"{k}={_one_line(v)}"
-        for k, v in ed.items()
-        if k not in _CONSOLE_SKIP and v not in (None, {}, [])
-    )
-    reason = _one_line(ed.get("reason") or ed["event"])
-    return (
-        f"attnguard {ed['level'].upper()}: {reason} [{ed['event']}{' ' + fields if fields else ''}]"
-    )
-
-
-def _write_all(write: Callable[[Any], Any], data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = write(view)
-        if not n:  # None: a non-blocking stream that is full; give the line up
-            return
-        view = view[n:]
-
-
-class StreamSink:
-    """Writes rendered events at or above ``threshold`` to stderr or a (per-rank) file.
-
-    ``ranks``: stderr lines only from these ranks (None: all). ``eager``: open the file now, so
-    an unusable path is a clear error at activation (helpers open it at their first line only).
-    A settings change updates a sink in place (:meth:`update`): the file stays open.
-    """
-
-    def __init__(
-        self,
-        target: str,
-        fmt: str,
-        threshold: str = "info",
-        ranks: tuple[int, ...] | None = None,
-        eager: bool = False,
-    ) -> None:
-        self.target = target
-        self.update(fmt, threshold, ranks)
-        self._fd: int | None = None
-        self._opened: str | None = None  # the path the descriptor belongs to
-        self._broken = False  # a file that failed once is not written again
-        self._closed = False  # replaced by a settings change: late lines are dropped
-        self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
-        self._lock = threading.Lock()
-        if eager and target != "stderr":
-            self._open()
-
-    def update(self, fmt: str, threshold: str, ranks: tuple[int, ...] | None) -> None:
-        self.render = render_json if fmt == "json" else render_console
-        self.threshold = _LEVELNO.get(threshold, 20)
-        self.ranks = ranks
-
-    def path(self) -> str:
-        ctx = launch_context()
-        return self.target.format(rank=ctx["rank"], pid=os.getpid())
-
-    def _open(self) -> int:
-        p = self.path()
-        if self._fd is not None and p != self._opened:
-            self._close()  # the rank was set after start-up (Ray): its own file from now on
-        if self._fd is None:
-            self._fd = safefiles.open_log(p)
-            self._opened = p
-        return self._fd
-
-    def wants(self, ed: dict[str, Any], console: bool = True) -> bool:
-        if _LEVELNO.get(ed.get("level", "info"), 20) < self.threshold:
-            return False
-        if self.target != "stderr":
-            return True
-        return console and (self.ranks is None or ed.get("rank") in self.ranks)
-
-    def __call__(self, ed: dict[str, Any], console: bool = True) -> None:
-        if not self.wants(ed, console):
-            return
-        line = self.render(ed) + "\n"
-        with self._lock:
-            if self._closed:
-                return
-            if self.target == "stderr":
-                self._to_stderr(line)
-            elif not self._broken:
-                try:
-                    _write_all(lambda b: os.write(self._open(), b), line.encode("utf-8"))
-                except OSError:
-                    self._broken = True  # full disk, file gone: stop, never raise
-                    self._close()
-
-    def _to_stderr(self, line: str) -> None:
-        stream = sys.stderr
-        if stream is None or stream is self._dead_stream:
-            return
-        # The program's pending output first (its order is kept), then ours, past its buffer.
-        with contextlib.suppress(Exception):
-            stream.flush()
-        raw = getattr(getattr(stream, "buffer", None), "raw", None)
-        try:
-            if raw is not None and callable(getattr(raw, "write", None)):
-                enc = getattr(stream, "encoding", None) or "utf-8"
-                _write_all(raw.write, line.encode(enc, "backslashreplace"))
-            else:
-                stream.write(line)
-                stream.flush()
-        except Exception:
-            self._dead_stream = stream
-
-    def _close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._close()
 
 
 # --- state ---------------------------------------------------------------------------------------
