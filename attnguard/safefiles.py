@@ -147,7 +147,18 @@ def open_log(path: str) -> int:
 
 def probe_log(path: str) -> None:
     """Open ``path`` as the guarded program will, then close it; a file created only for the
-    probe is removed again. Raises UnsafeFile or OSError exactly where :func:`open_log` would."""
+    probe is removed again. Raises UnsafeFile or OSError exactly where :func:`open_log` would.
+    Something other than a regular file (a FIFO, a terminal) is not opened: an open and a close
+    would be seen by whoever reads at the other end (a FIFO's reader would get its end)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        check_links(path)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return
     existed = os.path.lexists(path)
     fd = open_log(path)
     try:

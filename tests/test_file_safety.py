@@ -401,3 +401,19 @@ def test_rendezvous_files_are_private_and_never_follow_links(tmp_path: Path) -> 
     finally:
         os.umask(old_umask)
     assert notes.read_text() == SECRET_NOTES
+
+
+def test_run_leaves_a_fifo_log_to_its_reader(tmp_path: Path) -> None:
+    """``attnguard run`` checks a FIFO without opening it: an open and close would hand the
+    reader at the other end its end of file before the command wrote a line."""
+    import threading
+
+    fifo = tmp_path / "events.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    res = _attnguard_run(tmp_path, ATTNGUARD_LOG=str(fifo))
+    reader.join(timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert b'"event": "activated"' in got[0]  # the command's lines, not an early end of file
