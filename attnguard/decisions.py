@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import events, race, selection
+from . import events, race, safefiles, selection
 from .selection import REQUESTED, Call, Measured
 
 BUDGET_S = 2.0
@@ -162,32 +162,36 @@ def _ignored(why: str) -> None:
     )
 
 
-def _read_disk(call: Call) -> Decision | None:
-    path = os.path.join(cache_dir(), _bucket_id(call.bucket) + ".json")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+def _cache() -> safefiles.PrivateDir | None:
+    """This machine's private cache directory for this fingerprint, or None (one event why)."""
+    path = cache_dir()
     try:
-        fd = os.open(path, flags)
+        safefiles.make_dirs(os.path.dirname(path))
+        return safefiles.PrivateDir(path)
+    except OSError as exc:
+        _ignored(f"the cache directory cannot be used ({_why(exc)})")
+        return None
+
+
+def _why(exc: OSError) -> str:
+    return str(exc) if isinstance(exc, safefiles.UnsafeFile) else exc.strerror or type(exc).__name__
+
+
+def _read_disk(call: Call, folder: safefiles.PrivateDir | None = None) -> Decision | None:
+    own = folder is None
+    folder = folder or _cache()
+    if folder is None:
+        return None
+    try:
+        raw, _ = folder.read(_bucket_id(call.bucket) + ".json", _MAX_FILE_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        _ignored(f"cannot open it ({exc.strerror or type(exc).__name__})")
+        _ignored(f"cannot be read ({_why(exc)})")
         return None
-    try:
-        st = os.fstat(fd)
-        import stat
-
-        if not stat.S_ISREG(st.st_mode):
-            _ignored("not a regular file")
-            return None
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            _ignored("owned by another user")
-            return None
-        if st.st_size > _MAX_FILE_BYTES:
-            _ignored("too large")
-            return None
-        raw = os.read(fd, _MAX_FILE_BYTES + 1)
     finally:
-        os.close(fd)
+        if own:
+            folder.close()
     try:
         return _parse(raw, call)
     except _NotADecision as exc:
@@ -199,35 +203,16 @@ def _write_disk_first(call: Call, decision: Decision) -> Decision | None:
     """Store ``decision`` unless a file for the bucket exists; returns the decision on disk
     afterwards (ours, or the one another process wrote first), None when the cache cannot be
     used."""
-    directory = cache_dir()
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-        st = os.lstat(directory)
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            _ignored("the cache directory is owned by another user")
+    folder = _cache()
+    if folder is None:
+        return None
+    with folder:
+        try:
+            folder.write_first(_bucket_id(call.bucket) + ".json", _record(call, decision))
+        except OSError as exc:
+            _ignored(f"cannot be written ({_why(exc)})")
             return None
-    except OSError as exc:
-        _ignored(f"the cache directory cannot be made ({exc.strerror or type(exc).__name__})")
-        return None
-    final = os.path.join(directory, _bucket_id(call.bucket) + ".json")
-    tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            os.write(fd, _record(call, decision))
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, final)  # atomic: fails when another process was first
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-    except OSError as exc:
-        _ignored(f"cannot be written ({exc.strerror or type(exc).__name__})")
-        return None
-    return _read_disk(call)
+        return _read_disk(call, folder)
 
 
 def _store() -> Any:

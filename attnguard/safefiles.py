@@ -15,6 +15,9 @@ attnguard touches files in three ways, each with its own rule (docs/files.md say
   between the check and the use.
 * **files handed to ``attnguard summary``**: read only when they are regular files (a FIFO or a
   device is refused without being opened), in bounded chunks (:mod:`attnguard.eventfiles`).
+* **the kernel-decision cache** (``ATTNGUARD_KERNEL=fastest``, :mod:`attnguard.decisions`): a
+  private directory as the rendezvous is (``0700``, ours, not writable by others), one ``0600``
+  file per decision written first-writer-wins, read under the same rules and a size bound.
 
 Errors are :class:`UnsafeFile` (with the reason to show) or the OSError of the system call.
 """
@@ -255,6 +258,26 @@ class PrivateDir:
             raise
         os.close(fd)
         os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def write_first(self, name: str, data: bytes) -> bool:
+        """Make ``name`` hold ``data`` unless it exists: the first writer wins (a hard link of
+        a fresh ``0600`` temporary file, atomic). True when this call wrote it."""
+        tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            self.remove(tmp)
 
     def read(self, name: str, max_bytes: int) -> tuple[bytes, float]:
         """(content, mtime) of ``name``: a regular file of this user of at most ``max_bytes``.
