@@ -12,16 +12,19 @@ time it looks in this order:
    diverge, and nobody waits for anybody);
 3. the disk cache: ``$XDG_CACHE_HOME/attnguard/kernels/<fingerprint>/`` (default
    ``~/.cache/attnguard/...``), one file per bucket, fingerprinted by GPU model, torch, CUDA,
-   flash-attn and attnguard versions; written first-writer-wins too, so the ranks of a job on one
-   node without a process group agree through it. A file that is corrupt, of another GPU or
-   version, or not this user's is ignored (one ``observed`` event), never trusted, never a crash;
+   flash-attn and attnguard versions, written first-writer-wins (:mod:`attnguard.safefiles`). A
+   file that is corrupt, of another GPU or version, or not this user's is ignored (one
+   ``observed`` event), never trusted, never a crash;
 4. a race on the call's own inputs (:mod:`attnguard.race`), at most :data:`BUDGET_S` seconds per
-   process in total.
+   process in total (a race that would overrun it is not started). With several ranks, what a
+   rank decided (a winner, or "the requested kernel" when its budget is spent) is posted to the
+   store and the first posted decision is everybody's.
 
 It never races inside a ``torch.compile`` trace or while a CUDA graph is being captured (the
 decision must exist before: the first eager call makes it), under
-``torch.use_deterministic_algorithms(True)`` (no candidate is vouched deterministic), or when the
-ranks of a job cannot agree (several nodes and no process group): the requested kernel computes.
+``torch.use_deterministic_algorithms(True)`` (no candidate is vouched deterministic), or with
+several ranks and no process group (a race's winner could differ per rank: a decision already in
+this node's disk cache is used, else the requested kernel computes).
 """
 
 from __future__ import annotations
@@ -99,13 +102,23 @@ def fingerprint() -> tuple[str, dict[str, Any]]:
     return _state.fingerprint
 
 
-def cache_dir() -> str:
+def cache_root() -> str:
+    """Where every fingerprint's decisions live: ``$XDG_CACHE_HOME/attnguard/kernels``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "attnguard", "kernels", fingerprint()[0])
+    return os.path.join(base, "attnguard", "kernels")
+
+
+def cache_dir() -> str:
+    return os.path.join(cache_root(), fingerprint()[0])
 
 
 def _bucket_id(bucket: tuple[Any, ...]) -> str:
     return hashlib.sha256(json.dumps(list(bucket), default=str).encode()).hexdigest()[:24]
+
+
+def _bucket_json(call: Call) -> list[Any]:
+    """The bucket as it reads back from JSON (tuples become lists, dtypes strings)."""
+    return json.loads(json.dumps(list(call.bucket), default=str))
 
 
 def _record(call: Call, decision: Decision) -> bytes:
@@ -113,7 +126,7 @@ def _record(call: Call, decision: Decision) -> bytes:
         {
             "schema": SCHEMA,
             "fingerprint": fingerprint()[1],
-            "bucket": json.loads(json.dumps(list(call.bucket), default=str)),
+            "bucket": _bucket_json(call),
             **decision.as_json(),
         },
         sort_keys=True,
@@ -134,7 +147,7 @@ def _parse(raw: bytes, call: Call) -> Decision:
         raise _NotADecision("not a kernel decision of this schema")
     if data.get("fingerprint") != fingerprint()[1]:
         raise _NotADecision("made on another GPU or with other versions")
-    if data.get("bucket") != json.loads(json.dumps(list(call.bucket), default=str)):
+    if data.get("bucket") != _bucket_json(call):
         raise _NotADecision("for another bucket")
     winner = data.get("winner")
     names = [c.name for c in selection.CANDIDATES if call.entry in c.entries]
@@ -262,7 +275,10 @@ def _race(entry: Any, args: tuple, kwargs: dict, call: Call) -> Decision:
     impls = race.implementations(entry.name, entry.original, entry.params, names)
     t0 = time.perf_counter()
     try:
-        measured = race.measure(impls, entry.params, args, kwargs, call)
+        left = BUDGET_S - _state.spent_s
+        measured = race.measure(impls, entry.params, args, kwargs, call, budget_s=left)
+    except race.OverBudget as exc:
+        return _kept(f"{exc}, over the {left:.1f} s left of this process's race budget")
     finally:
         _state.spent_s += time.perf_counter() - t0
     verdict = selection.pick(measured, call.dtype)
@@ -305,24 +321,27 @@ def _decide(entry: Any, args: tuple, kwargs: dict, call: Call) -> Decision | Non
                 return _with_source(_parse(store.get(key), call), "this job")
         except Exception:
             return _kept("the process group's store could not be read to agree")
-    several = launch["world_size"] > 1
-    one_node = os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(launch["world_size"])
-    if several and store is None and not one_node:
-        return _kept("the ranks span several nodes and no process group is up to agree")
+    if launch["world_size"] > 1 and store is None:
+        # several ranks and no group to agree through: no race (its winner could differ per
+        # rank); a decision already on this node's disk is the same file for every rank
+        one_node = os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(launch["world_size"])
+        found = _read_disk(call) if one_node else None
+        if found is not None:
+            return _with_source(found, "disk cache")
+        return _kept("several ranks and no process group up to agree through: no race")
     decision = _read_disk(call)
     if decision is not None:
         decision.source = "disk cache"
     else:
         blocked = _why_not_race()
-        if blocked is not None:
-            return None if blocked[1] else _kept(blocked[0])
-        decision = _race(entry, args, kwargs, call)
-        on_disk = _write_disk_first(call, decision)
-        if on_disk is not None and not _same(on_disk, decision):
-            decision = _with_source(on_disk, "disk cache")  # another process was first
-        elif on_disk is None and several and store is None:
-            return _kept("the ranks cannot agree: the disk cache cannot be used")
-    if store is not None:
+        if blocked is not None and blocked[1]:
+            return None
+        decision = _kept(blocked[0]) if blocked else _race(entry, args, kwargs, call)
+        if decision.source != "not measured":  # only measurements go to disk
+            on_disk = _write_disk_first(call, decision)
+            if on_disk is not None and not _same(on_disk, decision):
+                decision = _with_source(on_disk, "disk cache")  # another process was first
+    if store is not None:  # a kept decision is posted too: every rank then uses the same
         try:
             decision = _agree(store, key, call, decision)
         except Exception:
@@ -418,11 +437,7 @@ def serve(entry: Any, args: tuple, kwargs: dict) -> Any:
 def cached(directory: str | None = None) -> list[dict[str, Any]]:
     """The decisions in this machine's disk cache (``attnguard doctor``): every fingerprint
     directory, each file's bucket and winner; unreadable files are named, never raised."""
-    base = directory or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-        "attnguard",
-        "kernels",
-    )
+    base = directory or cache_root()
     out: list[dict[str, Any]] = []
     try:
         prints = sorted(os.listdir(base))

@@ -156,20 +156,27 @@ def _stepper(impl: Impl, a: tuple, k: dict, leaves: list[Tensor], grad_out: Tens
     return step
 
 
+class OverBudget(Exception):
+    """The race would take longer than the time left for races in this process."""
+
+
 def measure(
     impls: dict[str, Impl],
     params: tuple[str, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     call: Call,
+    budget_s: float = float("inf"),
 ) -> dict[str, Measured]:
     """Run every candidate on the call's inputs: results compared with the requested kernel's,
-    times interleaved over :data:`REPS` rounds. A candidate that raises is disqualified."""
+    times interleaved over :data:`REPS` rounds. A candidate that raises is disqualified.
+    :class:`OverBudget` when the requested kernel's first run, times every run the race would
+    make, exceeds ``budget_s`` (nothing else has run then)."""
     with warnings.catch_warnings():
         # a candidate's refusal ("Flash attention kernel not used because ...") is measured,
         # not printed: the program's stderr stays as it was
         warnings.simplefilter("ignore")
-        return _measure(impls, params, args, kwargs, call)
+        return _measure(impls, params, args, kwargs, call, budget_s)
 
 
 def _measure(
@@ -178,6 +185,7 @@ def _measure(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     call: Call,
+    budget_s: float,
 ) -> dict[str, Measured]:
     inputs = _Inputs(params, args, kwargs, call)
     grad_out: Tensor | None = None
@@ -192,11 +200,17 @@ def _measure(
     for name, impl in impls.items():
         a, k, leaves = inputs.fresh()
         step = _stepper(impl, a, k, leaves, grad_out)
+        t0 = time.perf_counter()
         try:
             out, grads = step()  # also the warm-up
         except Exception as exc:  # a candidate that cannot take the call loses
             errors[name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
             continue
+        if name == REQUESTED:
+            torch.cuda.synchronize()
+            projected = (time.perf_counter() - t0) * len(impls) * (1 + REPS)
+            if projected > budget_s:
+                raise OverBudget(f"this race would take about {projected:.1f} s")
         results[name] = (_first(out), list(grads) if grads is not None else None)
         steps[name] = step
     times: dict[str, list[float]] = {name: [] for name in steps}

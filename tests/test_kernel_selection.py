@@ -267,6 +267,27 @@ def test_ranks_adopt_the_first_posted_decision_from_the_store(cache):
     assert later.winner == "sdpa" and later.source == "this job"
 
 
+def test_several_ranks_without_a_group_never_race(cache, monkeypatch):
+    """No process group to agree through: a race's winner could differ per rank, so none runs;
+    a decision already cached on this node (the same file for every rank) is used."""
+
+    def no_race(*a, **k):
+        raise AssertionError("raced without a way to agree")
+
+    monkeypatch.setattr(decisions, "_race", no_race)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    entry = SimpleNamespace(params=("q",), name="flash_attn_func")
+    kept = decisions._decide(entry, (), {}, cache.call)
+    assert kept.winner == REQUESTED and kept.source == "not measured"
+    assert "no process group" in kept.why[REQUESTED]
+    decisions._write_disk_first(cache.call, decisions.Decision("sdpa", {"sdpa": "1.5x"}))
+    found = decisions._decide(entry, (), {}, cache.call)
+    assert found.winner == "sdpa" and found.source == "disk cache"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ranks on several nodes: disks differ
+    assert decisions._decide(entry, (), {}, cache.call).winner == REQUESTED
+
+
 _RANK_PROGRAM = r"""
 import json, os, sys
 import torch, torch.distributed as dist
