@@ -48,6 +48,7 @@ from .routing import (
     XFORMERS,
     classify_kernel_error,
 )
+from .selection import SELECTED_ENTRIES
 
 __all__ = [
     "KNOWN_KERNEL_ERRORS",
@@ -310,9 +311,11 @@ def _closure(
     original = entry.original
     rt = runtime
     slow = functools.partial(_slow, entry=entry)
+    selectable = entry.kind == FLASH_KERNEL and entry.name in SELECTED_ENTRIES
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
-        if rt._settings.enabled:
+        settings = rt._settings
+        if settings.enabled:
             try:
                 bad = check(args, kwargs)
             except Exception:
@@ -320,6 +323,10 @@ def _closure(
             if bad:
                 site = entry.site or _registry_site(entry.name, args)
                 return _fail_open(site, original, slow, args, kwargs)
+            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.decisions
+                faster = _faster_kernel(entry, args, kwargs)
+                if faster is not None:
+                    return _on_faster_kernel(entry, faster, args, kwargs)
         try:
             return original(*args, **kwargs)
         except Exception as exc:
@@ -336,6 +343,36 @@ def _closure(
     guarded = functools.wraps(original)(attnguard_attention)
     guarded.__attnguard_original__ = original  # type: ignore[attr-defined]
     return make_picklable(guarded, original)
+
+
+def _faster_kernel(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
+    try:
+        from .decisions import serve
+
+        return serve(entry, args, kwargs)
+    except Exception as exc:
+        if not events.is_compiling():
+            from .patching import report_internal_error
+
+            report_internal_error(f"{entry.site}.select", exc)
+        return None
+
+
+def _on_faster_kernel(
+    entry: Entry, impl: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The selected kernel computes the call; should it fail (a call unlike the ones it was
+    measured on), that is attnguard's error: reported once, and the requested kernel computes."""
+    try:
+        return impl(args, kwargs)
+    except Exception as exc:
+        if events.is_compiling():
+            raise
+        from .patching import report_internal_error
+
+        report_internal_error(f"{entry.site}.selected", exc)
+    return entry.original(*args, **kwargs)
 
 
 def _registry_site(name: str, args: tuple[Any, ...]) -> str:

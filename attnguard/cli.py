@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -19,10 +20,13 @@ def _run(cmd: Sequence[str]) -> int:
         )
         return 2
     from .config import load
+    from .events import probe_log_files
     from .runtime import PARENT_VAR
 
-    # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child.
-    load()
+    # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child: the settings,
+    # and the log file opened as the command will open it (this process's pid is the
+    # command's: it is exec'd).
+    probe_log_files(load())
     env = dict(os.environ, ATTNGUARD="1")
     env.pop(PARENT_VAR, None)  # the command is a program of its own, never a guarded helper
     exe = shutil.which(cmd[0], path=env.get("PATH"))
@@ -53,7 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
     p_doc = sub.add_parser("doctor", help="this machine's facts, backends and the plan for flash")
     p_doc.add_argument("--json", action="store_true", help="machine-readable output")
-    p_sum = sub.add_parser("summary", help="merge per-rank JSON event files into one report")
+    p_sum = sub.add_parser(
+        "summary",
+        help="merge per-rank JSON event files into one report (exit 1: no events in them)",
+    )
     p_sum.add_argument("files", nargs="+", help="JSON-lines files written with ATTNGUARD_LOG")
     p_sum.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
@@ -65,10 +72,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(render(as_json=args.json))
             return 0
-        from .summary import render_files
+        from .eventfiles import summarise_files
 
-        print(render_files(args.files, as_json=args.json))  # no readable input: ValueError
-        return 0
+        # text from the files may hold anything: never a codec error on the way out
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        result = summarise_files(args.files, as_json=args.json)  # none readable: ValueError
+        print(result.text)
+        return 0 if result.usable else 1
     except ValueError as exc:
         print(str(exc), file=sys.stderr)
         return 2

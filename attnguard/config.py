@@ -22,6 +22,10 @@ LOG_TARGETS_HELP = (
 )
 DTYPES = ("auto", "bf16", "fp16")
 FP32_POLICIES = ("cast", "fallback")
+# ATTNGUARD_KERNEL: "requested" computes every call with the kernel the caller asked for (unless
+# it cannot run); "fastest" (opt-in) serves flash-attention calls with the fastest kernel that
+# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.race).
+KERNEL_CHOICES = ("requested", "fastest")
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
 # always available; flash kernels are never a fallback target (they are what failed).
 FALLBACK_BACKENDS = ("sdpa", "eager", "flex_attention")
@@ -57,6 +61,12 @@ class Settings:
     dtype: str = "auto"
     fallback: tuple[str, ...] = ("sdpa", "eager")
     fp32_policy: str = "cast"
+    kernel: str = "requested"
+
+    @property
+    def fastest(self) -> bool:
+        """ATTNGUARD_KERNEL=fastest: flash-attention calls race for the fastest kernel."""
+        return self.kernel == "fastest" and self.enabled
 
     def allows(self, name: str) -> bool:
         """True when remedy or integration ``name`` is not disabled."""
@@ -102,8 +112,27 @@ class Settings:
         return d
 
 
+# A message shows at most this much of a bad value (a 1 MB value is not echoed back whole).
+SHOWN_CHARS = 200
+
+
+def shown(value: object, quote: bool = True) -> str:
+    """``repr`` of a value for a message (``quote=False``: a string as it is), cut to
+    :data:`SHOWN_CHARS` with its length said."""
+    text = value if isinstance(value, str) else None
+    if text is not None and len(text) > SHOWN_CHARS:
+        cut = repr(text[:SHOWN_CHARS]) if quote else text[:SHOWN_CHARS]
+        return f"{cut}... ({len(text)} characters)"
+    if text is not None and not quote:
+        return text
+    out = repr(value)
+    if len(out) > SHOWN_CHARS:
+        return f"{out[:SHOWN_CHARS]}... ({len(out)} characters)"
+    return out
+
+
 def _bad(var: str, value: object, valid: object) -> ValueError:
-    return ValueError(f"attnguard: invalid {var}={value!r}; valid values: {valid}")
+    return ValueError(f"attnguard: invalid {var}={shown(value)}; valid values: {valid}")
 
 
 def _choice(var: str, value: str, valid: tuple[str, ...]) -> str:
@@ -137,6 +166,11 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
     Nothing is created here; the file is opened when attnguard activates."""
     import string  # only for file targets: the start-up hook stays light
 
+    from .safefiles import path_problem
+
+    why = path_problem(template)
+    if why is not None:
+        return why
     try:
         fields = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -145,7 +179,7 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
         if name is None:
             continue
         if name not in ("rank", "pid"):
-            return f"placeholder {{{name}}} is not one of {{rank}}, {{pid}}"
+            return f"placeholder {shown('{' + name + '}')} is not one of {{rank}}, {{pid}}"
         if conversion is not None:
             return f"placeholder {{{name}!{conversion}}} takes no conversion"
         try:
@@ -153,7 +187,7 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
                 raise ValueError
             format(0, spec or "")
         except (ValueError, TypeError):
-            return f"{{{name}:{spec}}} has no valid int format spec"
+            return f"{shown('{' + name + ':' + (spec or '') + '}')} has no valid int format spec"
     try:
         rank = int(environ.get("RANK", "0") or 0)
     except ValueError:
@@ -161,11 +195,14 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
     try:
         path = template.format(rank=rank, pid=os.getpid())
     except Exception as exc:  # anything the checks above missed stays a clear error
-        return f"cannot fill in its placeholders ({type(exc).__name__}: {exc})"
+        return f"cannot fill in its placeholders ({type(exc).__name__})"
+    why = path_problem(path)
+    if why is not None:
+        return f"with its placeholders filled in, {why}"
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
-        return f"{path} is a directory"
+        return f"{shown(path, quote=False)} is a directory"
     if os.path.exists(path):
-        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+        return None if os.access(path, os.W_OK) else f"{shown(path, quote=False)} is not writable"
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         up = os.path.dirname(parent)
@@ -173,9 +210,9 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
             break
         parent = up
     if not os.path.isdir(parent):
-        return f"{parent} is not a directory"
+        return f"{shown(parent, quote=False)} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable"
+        return f"{shown(parent, quote=False)} is not writable"
     return None
 
 
@@ -192,14 +229,15 @@ def _validate_log(var: str, value: str, environ: Mapping[str, str]) -> str:
             t = "stderr"
         elif t.lower() == "none":
             raise ValueError(
-                f"attnguard: invalid {var}={value!r} (none cannot be combined with other "
+                f"attnguard: invalid {var}={shown(value)} (none cannot be combined with other "
                 f"targets); valid values: {LOG_TARGETS_HELP}"
             )
         else:
             why = _log_problem(t, environ)
             if why is not None:
                 raise ValueError(
-                    f"attnguard: invalid {var}={value!r} ({why}); valid values: {LOG_TARGETS_HELP}"
+                    f"attnguard: invalid {var}={shown(value)} ({why}); valid values: "
+                    f"{LOG_TARGETS_HELP}"
                 )
         if t not in seen:
             seen.append(t)
@@ -237,6 +275,7 @@ _ENV = {
     "ATTNGUARD_DTYPE": "dtype",
     "ATTNGUARD_FALLBACK": "fallback",
     "ATTNGUARD_FP32_POLICY": "fp32_policy",
+    "ATTNGUARD_KERNEL": "kernel",
 }
 _VAR_OF = {f: v for v, f in _ENV.items()}
 
@@ -266,6 +305,8 @@ def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> An
         return tuple(names)
     if fld == "fp32_policy":
         return _choice(var, str(value), FP32_POLICIES)
+    if fld == "kernel":
+        return _choice(var, str(value), KERNEL_CHOICES)
     raise AssertionError(fld)
 
 
@@ -286,7 +327,7 @@ def load(
     for key, value in (overrides or {}).items():
         if key not in _VAR_OF:
             raise ValueError(
-                f"attnguard: unknown setting {key!r}; valid settings: {', '.join(_VAR_OF)}"
+                f"attnguard: unknown setting {shown(key)}; valid settings: {', '.join(_VAR_OF)}"
             )
         values[key] = _parse(key, value, env)
     if values.get("mode") == "off":

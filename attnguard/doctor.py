@@ -36,7 +36,22 @@ def collect() -> dict[str, Any]:
         "decision_table": [dict(r.__dict__) for r in TABLE],
         "sample_request": "flash_attention_2 + float32 + no device_map",
         "sample_plan": plan.as_dict(),
+        "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
+        "kernel_decisions": _kernel_decisions(),
     }
+
+
+def _twin_table() -> Any:
+    from .fallback.kernels import TABLE as TWIN_TABLE
+
+    return TWIN_TABLE
+
+
+def _kernel_decisions() -> list[dict[str, Any]]:
+    """Decisions ATTNGUARD_KERNEL=fastest measured and cached on this machine."""
+    from .decisions import cached
+
+    return cached()
 
 
 def _sample_request() -> Any:
@@ -92,7 +107,7 @@ def render(as_json: bool = False) -> str:
     lines.append(f"deliberate-init context: {ctx[1] if ctx else 'none'}")
     lines.append(
         f"settings: mode={settings.mode} fallback={','.join(settings.fallback)} "
-        f"dtype={settings.dtype} fp32_policy={settings.fp32_policy} "
+        f"dtype={settings.dtype} fp32_policy={settings.fp32_policy} kernel={settings.kernel} "
         f"disabled={','.join(sorted(settings.disable)) or '-'}"
     )
     lines += ["", "GPUs"]
@@ -126,4 +141,20 @@ def render(as_json: bool = False) -> str:
         lines.append(f"  {r.id}: when {r.when} -> {r.then}")
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
     lines += _plan_lines(plan_load(_sample_request(), facts, settings))
+    lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/kernels.py)"]
+    lines += _rows(
+        ["route", "call", "kernel", "when"],
+        [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],
+    )
+    lines += ["", "Kernel decisions cached on this machine (ATTNGUARD_KERNEL=fastest)"]
+    cached = data["kernel_decisions"]
+    if not cached:
+        lines.append("  none")
+    for d in cached:
+        if "error" in d:
+            lines.append(f"  {d['file']}: unreadable ({d['error']})")
+            continue
+        gpu = (d.get("fingerprint") or {}).get("gpu", "?")
+        bucket = "/".join(str(x) for x in (d.get("bucket") or []))
+        lines.append(f"  {gpu}: {bucket} -> {d.get('winner')} ({d.get('why')})")
     return "\n".join(lines)

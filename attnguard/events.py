@@ -1,8 +1,10 @@
 """One vocabulary of events, one private structlog chain, de-duplication and the exit summary.
 
 Every intervention (or decision not to intervene) becomes one event: a flat dict with fixed fields
-(schema, event, level, ts, pid, host, rank, local_rank, world_size, mode, site, reason_code,
-reason, count) plus event-specific ones. Events go to
+(schema, event, level, ts, pid, proc, host, rank, local_rank, world_size, mode, site,
+reason_code, reason, count) plus event-specific ones. ``proc`` tells processes apart for good (a
+new random id at start-up and in each forked child, which forgets its parent's counts), so
+``attnguard summary`` can add up counts over processes exactly. Events go to
 
 * the stdlib logger ``"attnguard"`` with every field as a LogRecord attribute, so whatever handler
   the host app installed (an OpenTelemetry LoggingHandler included) receives them;
@@ -14,20 +16,22 @@ We never call ``structlog.configure`` or ``logging.basicConfig``: the host app o
 The same (event, site, reason_code) is emitted once; later repeats only bump its counters (every
 occurrence is counted as applied, would-have or observed), which the ``summary`` at exit reports.
 
-Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
-and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
-line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
+How lines are written (never disturbing the program) is :mod:`attnguard.sinks`.
 
 Helper processes (DataLoader workers, tools such as ``pip`` run by a guarded program: children that
 share their parent's rank) stay quiet: no ``activated``, and a summary only when they changed (or
-would have changed) something; their events carry ``helper: true``.
+would have changed) something; their events carry ``helper: true``. A helper that later gets a
+rank identity of its own (a Ray actor sets RANK / WORLD_SIZE after start-up) is a rank from then
+on: the identity is read again at each event and at exit.
+
+This module does not know how the exit summary is made: :func:`register_exit_summary` takes the
+function to call (``attnguard.summary`` imports this module, never the other way round).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -37,8 +41,24 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import safefiles
 from .config import Settings
+from .launch import IDENTITY_VARS, launch_context, launch_identity
 from .reasons import known as known_reason
+from .sinks import LEVELNO as _LEVELNO
+from .sinks import StreamSink, render_console, render_json
+
+__all__ = [
+    "EVENTS",
+    "IDENTITY_VARS",
+    "KINDS",
+    "StreamSink",
+    "emit",
+    "launch_context",
+    "launch_identity",
+    "render_console",
+    "render_json",
+]
 
 SCHEMA = 1
 
@@ -55,6 +75,9 @@ EVENTS: dict[str, str] = {
     "tensors_aligned": "warning",
     "kernel_error_recovered": "warning",
     "plan_mismatch": "warning",  # after loading, the model is not what the plan said
+    # opt-in (ATTNGUARD_KERNEL=fastest): which kernel serves a call bucket, with the evidence;
+    # emitted at warning when another kernel serves it, info when the requested one stays
+    "kernel_selected": "info",
     "internal_error": "error",  # attnguard itself failed; the original call ran instead
     "summary": "info",  # warning when it reports applied changes
 }
@@ -62,7 +85,6 @@ EVENTS: dict[str, str] = {
 _UNIQUE = frozenset({"activated", "summary"})
 # Events that report a finding, never a change.
 OBSERVATIONS = frozenset({"observed", "plan_mismatch"})
-_LEVELNO = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 # What each occurrence counts as, in the summary.
 KINDS = ("applied", "would_have", "observed", "internal_errors")
@@ -77,21 +99,9 @@ stdlib_logger = logging.getLogger("attnguard")
 stdlib_logger.addHandler(logging.NullHandler())
 
 
-def launch_context(environ: os._Environ[str] | dict[str, str] | None = None) -> dict[str, int]:
-    """rank / local_rank / world_size from the launcher's environment (torchrun, accelerate)."""
-    env = os.environ if environ is None else environ
-
-    def _int(name: str, default: int) -> int:
-        try:
-            return int(env.get(name, default))
-        except ValueError:
-            return default
-
-    return {
-        "rank": _int("RANK", 0),
-        "local_rank": _int("LOCAL_RANK", 0),
-        "world_size": _int("WORLD_SIZE", 1),
-    }
+def new_process_id() -> str:
+    """A fresh random process id (``proc`` in every event)."""
+    return os.urandom(8).hex()
 
 
 def is_compiling() -> bool:
@@ -116,6 +126,7 @@ def _add_context(_logger: Any, method: str, ed: dict[str, Any]) -> dict[str, Any
         "level": method,
         "ts": None,  # filled by the TimeStamper
         "pid": os.getpid(),
+        "proc": _state.proc,
         "host": _HOST,
         **launch_context(),
         "mode": _state.settings.mode,
@@ -136,6 +147,7 @@ _HEAD = (
     "level",
     "ts",
     "pid",
+    "proc",
     "host",
     "rank",
     "local_rank",
@@ -149,7 +161,7 @@ class _Fanout:
 
     def _dispatch(self, **ed: Any) -> None:
         console = ed.pop("_console", True)
-        for sink in list(_state.sinks):
+        for sink in (*_state.sinks, *_state.streams):
             try:
                 if isinstance(sink, StreamSink):
                     sink(ed, console=console)
@@ -193,8 +205,8 @@ def _to_stdlib(ed: dict[str, Any]) -> None:
     stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead.
 
     OpenTelemetry's event conventions on top: ``event.name`` (``attnguard.<event>``, few values:
-    one per event name) on every record, and ``error.type`` (the failing exception's type name)
-    on ``internal_error``."""
+    one per event name) on every record, and ``error.type`` (the failing exception's fully
+    qualified type, else its name) on ``internal_error``."""
     levelno = _LEVELNO.get(ed["level"], 20)
     if not stdlib_logger.isEnabledFor(levelno):
         return
@@ -214,7 +226,7 @@ def _to_stdlib(ed: dict[str, Any]) -> None:
     )
     conventions = {"event.name": f"attnguard.{ed['event']}"}
     if ed["event"] == "internal_error":
-        conventions["error.type"] = ed.get("reason_code") or "Exception"
+        conventions["error.type"] = ed.get("error_type") or ed.get("reason_code") or "Exception"
     attrs = record.__dict__
     taken = set(attrs) | {"message", "asctime"}
     for key, value in {**ed, **conventions}.items():
@@ -224,134 +236,6 @@ def _to_stdlib(ed: dict[str, Any]) -> None:
         attrs[name] = value
         taken.add(name)
     stdlib_logger.handle(record)
-
-
-def render_json(ed: dict[str, Any]) -> str:
-    """One JSON object on one line (non-JSON values become strings)."""
-    return json.dumps(ed, default=str, separators=(", ", ": "))
-
-
-# JSON keeps everything; the console line keeps what a person scans for. The summary's counts
-# and advice are already in its reason.
-_CONSOLE_SKIP = frozenset(
-    {"schema", "event", "level", "ts", "pid", "host", "reason", "mode"}
-    | {"settings", "keys", "sites", "events", "reasons", "advice", "event_ranks", "reason_ranks"}
-    | {"per_rank"}
-)
-
-
-def _one_line(value: object) -> str:
-    return " ".join(str(value).split())  # kernel errors span lines; a console event must not
-
-
-def render_console(ed: dict[str, Any]) -> str:
-    """Readable at a glance: the reason first, then the event name and the telling fields."""
-    fields = " ".join(
-        f"{k}={_one_line(v)}"
-        for k, v in ed.items()
-        if k not in _CONSOLE_SKIP and v not in (None, {}, [])
-    )
-    reason = _one_line(ed.get("reason") or ed["event"])
-    return (
-        f"attnguard {ed['level'].upper()}: {reason} [{ed['event']}{' ' + fields if fields else ''}]"
-    )
-
-
-def _write_all(write: Callable[[Any], Any], data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = write(view)
-        if not n:  # None: a non-blocking stream that is full; give the line up
-            return
-        view = view[n:]
-
-
-class StreamSink:
-    """Writes rendered events at or above ``threshold`` to stderr or a (per-rank) file.
-
-    ``ranks``: stderr lines only from these ranks (None: all). ``eager``: open the file now, so
-    an unusable path is a clear error at activation (helpers open it at their first line only).
-    """
-
-    def __init__(
-        self,
-        target: str,
-        fmt: str,
-        threshold: str = "info",
-        ranks: tuple[int, ...] | None = None,
-        eager: bool = False,
-    ) -> None:
-        self.target = target
-        self.render = render_json if fmt == "json" else render_console
-        self.threshold = _LEVELNO.get(threshold, 20)
-        self.ranks = ranks
-        self._fd: int | None = None
-        self._broken = False  # a file that failed once is not written again
-        self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
-        self._lock = threading.Lock()
-        if eager and target != "stderr":
-            self._open()
-
-    def path(self) -> str:
-        ctx = launch_context()
-        return self.target.format(rank=ctx["rank"], pid=os.getpid())
-
-    def _open(self) -> int:
-        if self._fd is None:
-            p = self.path()
-            os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-            self._fd = os.open(p, flags, 0o666)
-        return self._fd
-
-    def wants(self, ed: dict[str, Any], console: bool = True) -> bool:
-        if _LEVELNO.get(ed.get("level", "info"), 20) < self.threshold:
-            return False
-        if self.target != "stderr":
-            return True
-        return console and (self.ranks is None or ed.get("rank") in self.ranks)
-
-    def __call__(self, ed: dict[str, Any], console: bool = True) -> None:
-        if not self.wants(ed, console):
-            return
-        line = self.render(ed) + "\n"
-        with self._lock:
-            if self.target == "stderr":
-                self._to_stderr(line)
-            elif not self._broken:
-                try:
-                    _write_all(lambda b: os.write(self._open(), b), line.encode("utf-8"))
-                except OSError:
-                    self._broken = True  # full disk, file gone: stop, never raise
-                    self._close()
-
-    def _to_stderr(self, line: str) -> None:
-        stream = sys.stderr
-        if stream is None or stream is self._dead_stream:
-            return
-        # The program's pending output first (its order is kept), then ours, past its buffer.
-        with contextlib.suppress(Exception):
-            stream.flush()
-        raw = getattr(getattr(stream, "buffer", None), "raw", None)
-        try:
-            if raw is not None and callable(getattr(raw, "write", None)):
-                enc = getattr(stream, "encoding", None) or "utf-8"
-                _write_all(raw.write, line.encode(enc, "backslashreplace"))
-            else:
-                stream.write(line)
-                stream.flush()
-        except Exception:
-            self._dead_stream = stream
-
-    def _close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            self._close()
 
 
 # --- state ---------------------------------------------------------------------------------------
@@ -365,11 +249,16 @@ class _State:
         self.counts: dict[tuple[str, str | None, str | None], int] = {}
         # (event, site, reason_code) -> [applied, would_have, observed, internal_errors]
         self.kinds: dict[tuple[str, str | None, str | None], list[int]] = {}
-        self.streams: list[StreamSink] = []
-        self.sinks: list[Callable[..., None]] = [_to_stdlib]
-        self.summary_registered = False
-        self.helper = False  # a child of a guarded process that is not a rank of its own
+        # Replaced whole (never changed in place), so a running emit sees one configuration.
+        self.streams: tuple[StreamSink, ...] = ()
+        self.sinks: list[Callable[..., None]] = [_to_stdlib]  # the logger, then capture()s
+        self.exit_summary: Callable[[], None] | None = None
+        self.on_first_event: Callable[[], None] | None = None  # a rank announces it will report
+        self.first_event_seen = False
+        self.helper = False  # marked a helper at activation (see is_helper)
+        self.helper_identity = ""  # the launch identity it had then
         self.main_pid: int | None = None  # the process that activated (a fork is a helper)
+        self.proc = new_process_id()
         self.announced: Settings | None = None  # the settings the last ``activated`` reported
 
 
@@ -377,19 +266,30 @@ _state = _State()
 
 
 def _after_fork_in_child() -> None:
-    """A fork made while another thread held one of our locks must not hang on it."""
+    """A forked child is a process of its own: a new id, none of its parent's counts (they are
+    the parent's to report), and no lock another thread of the parent held at the fork."""
     _state.lock = threading.Lock()
     for sink in _state.streams:
         sink._lock = threading.Lock()
+    _state.proc = new_process_id()
+    _state.counts = {}
+    _state.kinds = {}
+    _state.first_event_seen = False
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def process_id() -> str:
+    """This process's id, as every event carries it (``proc``)."""
+    return _state.proc
+
+
 def set_helper(helper: bool) -> None:
     """Mark this process as a helper (or not); called by activation."""
     _state.helper = helper
+    _state.helper_identity = launch_identity()
     _state.main_pid = os.getpid()
 
 
@@ -409,44 +309,75 @@ def announce(settings: Settings) -> bool:
 
 
 def is_helper() -> bool:
-    """True in a helper process: marked at activation, or forked from the guarded process."""
-    return _state.helper or (_state.main_pid is not None and _state.main_pid != os.getpid())
+    """True in a helper process: forked from the guarded process, or marked a helper at
+    activation and still holding the launch identity it had then (one that later gets a rank of
+    its own, as Ray actors do, is a rank)."""
+    if _state.main_pid is None:
+        return False
+    if _state.main_pid != os.getpid():
+        return True
+    return _state.helper and launch_identity() == _state.helper_identity
 
 
 def configure_sinks(settings: Settings, eager: bool = False) -> None:
-    """(Re)build the stream sinks from settings; the stdlib sink is always on.
+    """Make the stream sinks match ``settings``; the stdlib sink is always on.
 
-    ``eager``: open log files now; an unusable path raises ValueError naming ATTNGUARD_LOG.
+    A target kept from before keeps its sink (and open file), updated in place; new ones are
+    made (``eager``: their files opened now); the configuration is swapped in one assignment,
+    so a line being written meanwhile goes to the old or the new one, never nowhere. An unusable
+    path raises ValueError naming ATTNGUARD_LOG and leaves the settings in force as they were.
     """
+    old = {sink.target: sink for sink in _state.streams}
+    made: list[StreamSink] = []
     new: list[StreamSink] = []
     for target in settings.log_targets:
+        fmt, threshold = settings.format_for(target), settings.threshold_for(target)
+        sink = old.get(target)
         try:
-            new.append(
-                StreamSink(
-                    target,
-                    settings.format_for(target),
-                    settings.threshold_for(target),
-                    settings.console_ranks,
-                    eager=eager,
-                )
-            )
+            if sink is None:
+                sink = StreamSink(target, fmt, threshold, settings.console_ranks, eager=eager)
+                made.append(sink)
+            elif eager and target != "stderr":
+                with sink._lock:
+                    sink._open()
         except OSError as exc:
-            for sink in new:
-                sink.close()
-            from .config import LOG_TARGETS_HELP
-
-            raise ValueError(
-                f"attnguard: invalid ATTNGUARD_LOG={settings.log!r} (cannot write "
-                f"{exc.filename or target}: {exc.strerror or exc}); valid values: "
-                f"{LOG_TARGETS_HELP}"
-            ) from None
-    for old in _state.streams:
-        old.close()
-        with contextlib.suppress(ValueError):
-            _state.sinks.remove(old)
+            for s in made:
+                s.close()
+            raise _unwritable(settings, target, exc) from None
+        new.append(sink)
+    for sink in new:
+        if sink not in made:
+            sink.update(
+                settings.format_for(sink.target),
+                settings.threshold_for(sink.target),
+                settings.console_ranks,
+            )
     _state.settings = settings
-    _state.streams = new
-    _state.sinks.extend(new)
+    _state.streams = tuple(new)
+    for sink in old.values():
+        if sink not in new:
+            sink.close()
+
+
+def _unwritable(settings: Settings, target: str, exc: OSError) -> ValueError:
+    from .config import LOG_TARGETS_HELP, shown
+
+    return ValueError(
+        f"attnguard: invalid ATTNGUARD_LOG={shown(settings.log)} (cannot write "
+        f"{shown(exc.filename or target, quote=False)}: {exc.strerror or exc}); valid values: "
+        f"{LOG_TARGETS_HELP}"
+    )
+
+
+def probe_log_files(settings: Settings) -> None:
+    """Open each log file of ``settings`` as this process would, then close it (a file made
+    only for the probe is removed): ValueError naming ATTNGUARD_LOG where it would fail."""
+    for target in settings.log_targets:
+        if target != "stderr":
+            try:
+                safefiles.probe_log(StreamSink(target, "json").path())
+            except OSError as exc:
+                raise _unwritable(settings, target, exc) from None
 
 
 def _kind(event: str, applied: Any) -> int | None:
@@ -456,6 +387,8 @@ def _kind(event: str, applied: Any) -> int | None:
         return _ERROR
     if event in OBSERVATIONS:
         return _OBSERVED  # a finding, even when it says ``applied: false``
+    if event == "kernel_selected" and applied is None:
+        return _OBSERVED  # the requested kernel stays: nothing changed
     if applied is not None:
         return _APPLIED if applied else _WOULD_HAVE
     return _APPLIED if _state.settings.changes_things else _WOULD_HAVE
@@ -498,6 +431,8 @@ def emit(
             tally[kind] += 1
     if count > 1 and event not in _UNIQUE:
         return False
+    if event not in _UNIQUE and not _state.first_event_seen:
+        _first_event()
     if is_helper():
         fields["helper"] = True
     name = level if level in _LEVELNO else default
@@ -509,19 +444,28 @@ def emit(
     return True
 
 
+def _first_event() -> None:
+    """Tell the job this process has something to report (its rank 0 then waits for it at
+    exit); retried at the next new event until the callback says it is done. Never raises."""
+    hook = _state.on_first_event
+    if hook is None:
+        return
+    try:
+        _state.first_event_seen = bool(hook())
+    except Exception:
+        _state.first_event_seen = True  # an announcement is a courtesy: never a second try
+
+
 def _anyone_listens(levelno: int) -> bool:
     """Would any sink write an event of this level? The "attnguard" logger only when it is
     enabled for the level (Python's default: WARNING and up); a stream only at or above its
     threshold. Where nothing would (an INFO ``activated`` on a default setup), the event is not
     rendered and structlog, with what it imports (rich, pygments where installed), is never
     imported: a process where nothing happens pays nothing for it."""
-    for sink in list(_state.sinks):
-        if sink is _to_stdlib:
-            if stdlib_logger.isEnabledFor(levelno):
-                return True
-        elif not isinstance(sink, StreamSink) or sink.threshold <= levelno:
+    for sink in _state.sinks:
+        if sink is not _to_stdlib or stdlib_logger.isEnabledFor(levelno):
             return True
-    return False
+    return any(sink.threshold <= levelno for sink in _state.streams)
 
 
 def counts() -> dict[tuple[str, str | None, str | None], int]:
@@ -563,11 +507,8 @@ def summary_fields() -> dict[str, Any]:
 def _at_exit() -> None:
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
     with contextlib.suppress(BaseException):
-        if _state.settings.enabled and not _nothing_to_summarise():
-            # one job-wide summary from rank 0 under a launcher, else this process's own
-            from .summary import emit_exit_summary
-
-            emit_exit_summary()
+        if _state.settings.enabled and _state.exit_summary and not _nothing_to_summarise():
+            _state.exit_summary()  # one job-wide summary from rank 0, else this process's own
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
@@ -584,10 +525,16 @@ def _nothing_to_summarise() -> bool:
     return not happened and not _anyone_listens(_LEVELNO["info"])
 
 
-def register_exit_summary() -> None:
-    """Emit ``summary`` at interpreter exit (once per process)."""
-    if not _state.summary_registered:
-        _state.summary_registered = True
+def register_exit_summary(
+    summarise: Callable[[], None], on_first_event: Callable[[], bool] | None = None
+) -> None:
+    """At interpreter exit call ``summarise`` (once per process; the latest one given), and
+    ``on_first_event`` when this process first records an event (True: done, else it is
+    tried again at the next new event)."""
+    _state.exit_summary = summarise
+    _state.on_first_event = on_first_event
+    if not getattr(_at_exit, "registered", False):
+        _at_exit.registered = True  # type: ignore[attr-defined]
         atexit.register(_at_exit)
 
 
@@ -598,6 +545,7 @@ def reset_counts() -> None:
         _state.counts.clear()
         _state.kinds.clear()
         _state.announced = None
+        _state.first_event_seen = False
 
 
 @contextlib.contextmanager

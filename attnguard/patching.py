@@ -15,6 +15,7 @@ wraps (``ProcessPoolExecutor``, ``torch.multiprocessing``, ``pickle.dumps`` of a
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -127,20 +128,42 @@ class OriginalCall:
             raise
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def own_location(exc: BaseException) -> str:
+    """Where in attnguard's own code ``exc`` passed last: ``attnguard/<file>:<line> in <func>``
+    (the deepest attnguard frame of its traceback), or ``"unknown"``."""
+    where = "unknown"
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        if path.startswith(_PACKAGE_DIR + os.sep):
+            rel = os.path.relpath(path, os.path.dirname(_PACKAGE_DIR)).replace(os.sep, "/")
+            where = f"{rel}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return where
+
+
 def report_internal_error(site: str, exc: BaseException) -> None:
     """One ``internal_error`` event per (site, exception type). Never raises: reporting our own
-    failure must not fail the call it happened in (an exception whose ``str()`` raises, a
-    logging handler that raises)."""
+    failure must not fail the call it happened in (a logging handler that raises).
+
+    The event names the exception's type and where attnguard's own code was, never the
+    exception's message: a message can carry what the caller passed (paths, device strings,
+    tokens), and events leave the process."""
     try:
-        try:
-            first = (str(exc).splitlines() or [""])[0][:300]
-        except Exception:
-            first = f"<{type(exc).__name__} whose message cannot be read>"
+        kind = type(exc)
+        where = own_location(exc)
+        what = kind.__name__ if where == "unknown" else f"{kind.__name__} at {where}"
         events.emit(
             "internal_error",
             site=site,
-            reason_code=type(exc).__name__,
-            reason=f"attnguard failed internally and ran the original call unguarded: {first}",
+            reason_code=kind.__name__,
+            reason=f"attnguard failed internally ({what}) and ran the original call unguarded",
+            error_type=f"{kind.__module__}.{kind.__qualname__}",
+            location=where,
         )
     except Exception:
         pass

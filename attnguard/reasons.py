@@ -283,6 +283,35 @@ _TABLE: tuple[Reason, ...] = (
         "the kernel was not built for this GPU",
         "the kernel was not built for this GPU: reinstall it for this GPU",
     ),
+    # --- opt-in kernel selection (ATTNGUARD_KERNEL=fastest; attnguard.decisions) ---------------
+    Reason(
+        "faster_kernel",
+        ("kernel_selected",),
+        "another kernel computes this call's numbers (within the dtype's rounding) at least 5 % "
+        "faster than the requested one, measured on this GPU: it serves the call",
+        "nothing to change: ATTNGUARD_KERNEL=fastest serves these calls with the faster kernel",
+    ),
+    Reason(
+        "requested_kept",
+        ("kernel_selected",),
+        "measured: no other kernel is both within tolerance and 5 % faster; the requested one "
+        "stays",
+        "nothing to change: the requested kernel is the fastest for these calls here",
+    ),
+    Reason(
+        "not_raced",
+        ("kernel_selected",),
+        "no race was run for this call (its budget spent, or the ranks could not agree): the "
+        "requested kernel stays",
+        "nothing to change: the requested kernel computes these calls",
+    ),
+    Reason(
+        "kernel_cache_ignored",
+        ("observed",),
+        "a kernel decision on disk was ignored (corrupt, another GPU or version, another "
+        "user's, unreadable): it is measured again",
+        "",
+    ),
 )
 
 REASONS: dict[str, Reason] = {r.code: r for r in _TABLE}

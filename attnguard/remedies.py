@@ -570,17 +570,66 @@ def _out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
 
 
+# A value shorter than this says too little to tell whose it is ("cpu", "auto", "0").
+_TELLING_CHARS = 5
+
+
+def _texts(value: Any, out: list[str], depth: int = 0) -> list[str]:
+    """The strings a load argument is spelled with (dict keys and values, list items, paths,
+    devices and dtypes by name), long enough to be recognised in an error message."""
+    if depth > 4 or len(out) > 256:
+        return out
+    if isinstance(value, Mapping):
+        for k, v in list(value.items())[:64]:
+            _texts(k, out, depth + 1)
+            _texts(v, out, depth + 1)
+        return out
+    if isinstance(value, (list, tuple, set, frozenset)):
+        for v in list(value)[:64]:
+            _texts(v, out, depth + 1)
+        return out
+    if isinstance(value, (str, int, float)) or type(value).__name__ in ("device", "dtype"):
+        text = str(value).removeprefix("torch.")
+    elif hasattr(value, "__fspath__"):
+        text = str(value.__fspath__())
+    else:
+        return out
+    if len(text) >= _TELLING_CHARS:
+        out.append(text.lower())
+    return out
+
+
+def _mentions(text: str, values: list[str]) -> bool:
+    return any(v in text for v in values)
+
+
 def could_be_ours(exc: BaseException, kwargs: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     """Can the kwargs attnguard changed (``kwargs`` -> ``new``) have caused this load error?
 
     An out-of-memory, a missing or unreadable file (OSError), or a missing dependency of the
-    caller's own arguments is the caller's: a retry would only fail again, later. An ImportError
-    is ours only when it names what our change brought in (accelerate for an injected device_map,
-    flash-attn for a backend we decided). Any other error may come from what we changed.
+    caller's own arguments is the caller's: a retry would only fail again, later. An error whose
+    message names a value the caller passed and attnguard left as it was (an invalid device
+    string in their device_map, say), and none of the values attnguard put in, is about the
+    caller's argument. An ImportError is ours only when it names what our change brought in
+    (accelerate for an injected device_map, flash-attn for a backend we decided). Any other
+    error may come from what we changed.
     """
     if _out_of_memory(exc):
         return False
-    text = str(exc).lower()
+    try:
+        text = str(exc).lower()
+    except Exception:
+        text = ""
+    changed = [k for k in new if k not in kwargs or new[k] is not kwargs[k]]
+    ours: list[str] = []
+    for k in changed:
+        _texts(new[k], ours)
+    theirs: list[str] = []
+    for k, v in kwargs.items():
+        if k not in changed and k in new:
+            _texts(v, theirs)
+    if text and not _mentions(text, ours) and _mentions(text, theirs):
+        return False
     injected_map = new.get("device_map") is not None and kwargs.get("device_map") is None
     if "accelerate" in text and not injected_map:
         return False  # e.g. the caller's device_map="auto" without accelerate installed

@@ -24,19 +24,11 @@ _patched: set[str] = set()
 _refused: set[str] = set()  # integrations not patched for their version (reported once)
 _overrides: dict[str, Any] = {}
 
-# Set by a guarded process for its children: "<pid>:<job identity>". A child that finds another
-# pid with its own job identity (same RANK, same launch) is a helper of that process (DataLoader
-# worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity.
+# Set by a guarded process for its children: "<pid>:<launch identity>". A child that finds another
+# pid with its own launch identity (same RANK, same launch) is a helper of that process
+# (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity
+# (and a Ray actor gets one when it sets RANK: events.is_helper reads the identity again).
 PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
-_IDENTITY_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def settings() -> Settings:
@@ -142,27 +134,52 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def _identity() -> str:
-    return "|".join(os.environ.get(v, "") for v in _IDENTITY_VARS)
-
-
 def _mark_process() -> bool:
     """True when this process is a helper of a guarded parent; otherwise mark it the parent of
     its own children (they inherit the variable)."""
     mark = os.environ.get(PARENT_VAR, "")
     pid, _, identity = mark.partition(":")
     me = str(os.getpid())
-    if mark and pid != me and identity == _identity():
+    if mark and pid != me and identity == events.launch_identity():
         return True
-    os.environ[PARENT_VAR] = f"{me}:{_identity()}"
+    os.environ[PARENT_VAR] = f"{me}:{events.launch_identity()}"
     return False
+
+
+def _exit_summary() -> None:
+    from .summary import emit_exit_summary
+
+    emit_exit_summary()
+
+
+def _first_event() -> bool:
+    if events.launch_context()["world_size"] <= 1:
+        return False  # no job (yet: a Ray actor sets its rank later)
+    from .summary import announce_first_event
+
+    return announce_first_event()
+
+
+def _unpatch(name: str) -> None:
+    try:
+        _patch_module(name).unpatch()
+    except Exception as exc:
+        from .patching import report_internal_error
+
+        report_internal_error(f"{name}.unpatch", exc)
+    _patched.discard(name)
 
 
 def activate(**overrides: Any) -> Settings:
     """Switch the guard on with ATTNGUARD_* settings plus ``overrides``; idempotent.
 
     Raises ValueError (naming the setting, the value and the valid values) on bad input,
-    including a log file that cannot be written; the guard then stays off.
+    including a log file that cannot be written; the settings in force then stay as they were.
+
+    A change of settings while active is atomic for running code: patches read the settings
+    at every call, so only integrations whose permission changes are patched or unpatched (a
+    mode switch among fix, warn and strict keeps every patch); the settings and the log
+    streams are swapped in one step each.
     """
     global _settings, _active, _overrides
     new = load(overrides=overrides)
@@ -170,20 +187,25 @@ def activate(**overrides: Any) -> Settings:
         if _active and new == _settings:
             _overrides = dict(overrides)
             return _settings
-        helper = False
-        if new.enabled:
-            helper = events.is_helper() if events.marked() else _mark_process()
-            events.set_helper(helper)
-        if _active:
-            deactivate()
-        # Helpers open their (shared, per-rank) file at their first line only.
-        events.configure_sinks(new, eager=new.enabled and not helper)
+        if not new.enabled:
+            if _active:
+                deactivate()
+            events.configure_sinks(new)
+            _overrides = dict(overrides)
+            _settings = new
+            return new
+        helper = events.is_helper() if events.marked() else _mark_process()
+        # Helpers open their (shared, per-rank) file at their first line only. A bad path
+        # raises here, before anything changed.
+        events.configure_sinks(new, eager=not helper)
+        events.set_helper(helper)
+        for name in list(_patched):
+            if not new.allows(name):
+                _unpatch(name)
         _overrides = dict(overrides)
         _settings = new
-        if not new.enabled:
-            return new
         _active = True
-        events.register_exit_summary()
+        events.register_exit_summary(_exit_summary, _first_event)
         if not helper and events.announce(new):
             events.emit(
                 "activated",
@@ -193,7 +215,7 @@ def activate(**overrides: Any) -> Settings:
                 versions=versions(),
                 settings=new.as_dict(),
             )
-        _register_hooks()
+        _register_hooks()  # patches what is imported and now allowed; the rest at import
         return new
 
 
@@ -202,13 +224,7 @@ def deactivate() -> None:
     global _active, _settings
     with _lock:
         for name in list(_patched):
-            try:
-                _patch_module(name).unpatch()
-            except Exception as exc:
-                from .patching import report_internal_error
-
-                report_internal_error(f"{name}.unpatch", exc)
-        _patched.clear()
+            _unpatch(name)
         _refused.clear()
         _active = False
         _settings = Settings(enabled=False, mode=_settings.mode)

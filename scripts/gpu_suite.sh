@@ -20,7 +20,8 @@
 #   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0)
 #   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py in one pytest process;
 #             test_multigpu_gpu.py, test_examples_gpu.py and test_call_gpu.py in another
-#   bench     bench/bench_fallback.py (real flash-attn on PYTHONPATH, GPU 0), then
+#   bench     SUITE_BENCHES (default "bench_twins bench_kernel"; bench_fallback too when named)
+#             with the real flash-attn on PYTHONPATH, GPU 0, one after the other, then
 #             bench/bench_multigpu.py (two GPUs). bench_forward.py / bench_load.py only with
 #             SUITE_BENCH_EXTRA=1 and time left (they do not involve flash-attn's kernel)
 # `tests` and `multigpu` run at the same time (correctness only; tiny models); `bench` runs
@@ -28,7 +29,8 @@
 #
 # Time: the device tool stops a command at 600 s, so the whole script keeps to SUITE_BUDGET_S
 # (default 560 s). Every part has a hard limit (its whole process tree is killed at it):
-# SUITE_TESTS_LIMIT_S (default 330, tests and multigpu), SUITE_BENCH_FALLBACK_S (200),
+# SUITE_TESTS_LIMIT_S (default 330, tests and multigpu), SUITE_BENCH_TWINS_S (200),
+# SUITE_BENCH_KERNEL_S (260), SUITE_BENCH_FALLBACK_S (200),
 # SUITE_BENCH_MULTIGPU_S (150), each cut to what the budget has left. Run the parts in two calls
 # (SUITE_PARTS="tests multigpu", then SUITE_PARTS=bench) to give each more time.
 #
@@ -328,9 +330,16 @@ bench() {  # NAME LIMIT_S ENV... -- CMD...
 }
 if [[ $parts == *" bench "* ]]; then
   reserve=$((ngpu >= 2 ? 60 : 0))
-  bench bench_fallback "$(min "${SUITE_BENCH_FALLBACK_S:-200}" $(($(left) - 15 - reserve)))" \
-    env CUDA_VISIBLE_DEVICES=0 PYTHONPATH="${TEST_REAL_FLASH_ATTN_DIR:-/nonexistent}:$PYTHONPATH" \
-    python3 bench/bench_fallback.py ${SUITE_BENCH_FALLBACK_ARGS:-}
+  real_path="${TEST_REAL_FLASH_ATTN_DIR:-/nonexistent}:$PYTHONPATH"
+  for b in ${SUITE_BENCHES:-bench_twins bench_kernel}; do
+    case "$b" in
+      bench_twins) lim=${SUITE_BENCH_TWINS_S:-200} ;;
+      bench_kernel) lim=${SUITE_BENCH_KERNEL_S:-260} ;;
+      *) lim=${SUITE_BENCH_FALLBACK_S:-200} ;;
+    esac
+    bench "$b" "$(min "$lim" $(($(left) - 15 - reserve)))" \
+      env CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$real_path" python3 "bench/$b.py"
+  done
   if [ "$ngpu" -ge 2 ]; then
     bench bench_multigpu "$(min "${SUITE_BENCH_MULTIGPU_S:-150}" $(($(left) - 15)))" \
       python3 bench/bench_multigpu.py

@@ -79,6 +79,7 @@ FIXED = [
     "level",
     "ts",
     "pid",
+    "proc",
     "host",
     "rank",
     "local_rank",

@@ -397,7 +397,9 @@ def test_internal_failure_is_reported_and_the_original_runs(
     )
     assert model.config._attn_implementation == "sdpa"
     errors = only(captured, "internal_error")
-    assert len(errors) == 1 and "facts exploded" in errors[0]["reason"]
+    assert len(errors) == 1 and errors[0]["reason_code"] == "RuntimeError"
+    assert errors[0]["location"].startswith("attnguard/remedies.py:")
+    assert "facts exploded" not in json.dumps(errors[0])  # the type and place, not the text
 
 
 def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
@@ -491,6 +493,51 @@ def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
     oom = torch.OutOfMemoryError("CUDA out of memory")
     assert not remedies.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
     assert not remedies.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
+
+
+def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
+    tiny_checkpoint: Any, guard: Any, captured: list[dict[str, Any]], monkeypatch: Any
+) -> None:
+    """Issue 22, 4: flash_attention_3 (attnguard keeps its flash path on the twins here) with a
+    device string of the caller's that transformers rejects. The error is about their
+    device_map, which attnguard did not change: it propagates at once, the model is built once,
+    no internal_error, and nothing the caller passed shows up in an event."""
+    flash_status()
+    path = tiny_checkpoint("llama")
+    builds = []
+    real_init = transformers.LlamaForCausalLM.__init__
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        builds.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", counting_init)
+    secret = "cpu:token=hf_SECRET123"
+    with pytest.raises(Exception) as err:
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path,
+            attn_implementation="flash_attention_3",
+            device_map={"": secret},
+        )
+    assert secret in str(err.value)  # transformers' own words about the caller's device string
+    assert len(builds) <= 1  # never a second build for the caller's own mistake
+    assert only(captured, "internal_error") == []
+    assert "SECRET" not in json.dumps(captured, default=str)
+
+
+def test_an_internal_error_event_never_carries_the_exception_text(
+    guard: Any, captured: list[dict[str, Any]]
+) -> None:
+    from attnguard.patching import report_internal_error
+
+    try:
+        {}["/home/alice/private/model-token=hf_SECRET123"]
+    except KeyError as exc:
+        report_internal_error("transformers.load", exc)
+    (ev,) = only(captured, "internal_error")
+    assert ev["reason_code"] == "KeyError" and ev["error_type"] == "builtins.KeyError"
+    assert ev["location"] == "unknown"  # raised outside attnguard's own code
+    assert "SECRET" not in json.dumps(ev) and "alice" not in json.dumps(ev)
 
 
 def _with_change(plan: Plan) -> Plan:

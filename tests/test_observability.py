@@ -168,10 +168,10 @@ def _assert_exported(exporter: Any, sent: dict[str, dict[str, Any]], env: dict[s
         own = set(fields) - {"site", "reason_code", "reason"}
         assert own and own <= set(attrs)
         # OpenTelemetry's event conventions: a low-cardinality event.name on every record, and
-        # error.type (the exception's type name) on attnguard's own errors only
+        # error.type (the exception's type) on attnguard's own errors only
         assert attrs["event.name"] == f"attnguard.{name}"
         if name == "internal_error":
-            assert attrs["error.type"] == fields["reason_code"] == "KeyError"
+            assert attrs["error.type"] == fields.get("error_type", fields["reason_code"])
         else:
             assert "error.type" not in attrs
 
@@ -416,9 +416,12 @@ def test_console_lines_put_the_reason_first_on_one_line(guard, captured, launche
     assert lines["observed"].startswith(
         "attnguard INFO: model built under ZeRO-3 init; observing only [observed"
     )
+    # the type, never the message (it may carry what the caller passed)
     assert lines["internal_error"].startswith(
-        "attnguard ERROR: attnguard failed internally and ran the original call unguarded: bad ["
+        "attnguard ERROR: attnguard failed internally (ValueError) and ran the original call "
+        "unguarded ["
     )
+    assert "bad" not in lines["internal_error"]
     # bookkeeping fields that only matter to machines stay out of the human line
     assert "schema=" not in fb and "pid=" not in fb and "ts=" not in fb
 
@@ -577,3 +580,19 @@ def test_shipper_recipes_read_what_attnguard_writes(jsonl_log: Path) -> None:
         assert set(extracted.values()) <= set(line), line["event"]
         assert re.fullmatch(rfc3339nano, line["ts"]), line["ts"]
         assert line["level"] in ("info", "warning", "error")  # Datadog's status names
+
+
+def test_an_internal_error_record_names_the_exception_type_for_otel(guard, logger_levels) -> None:
+    """attnguard's own failure, reported as it really is: the record's error.type is the
+    exception's fully qualified type, its event.name attnguard.internal_error."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = got.append  # type: ignore[method-assign]
+    logging.getLogger("attnguard").addHandler(handler)
+    try:
+        report_internal_error("flash_attn.flash_attn_func", KeyError("q"))
+    finally:
+        logging.getLogger("attnguard").removeHandler(handler)
+    (record,) = [r for r in got if getattr(r, "event", None) == "internal_error"]
+    assert vars(record)["error.type"] == "builtins.KeyError"
+    assert vars(record)["event.name"] == "attnguard.internal_error"

@@ -163,6 +163,10 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     assert pins["xformers"] in support.COMPONENTS["xformers"].tested
     assert pins["flash-attn"] in support.COMPONENTS["flash-attn"].tested
     assert pins["deepspeed"] == support.DEEPSPEED
+    ray = re.search(r'"ray==([\d.]+)"', CI_RUN).group(1)
+    also = readme_section("Compatibility")
+    assert re.search(rf"DeepSpeed\s+{re.escape(support.DEEPSPEED)} ", also)
+    assert re.search(rf"Ray\s+{re.escape(ray)} ", also)
 
 
 def versions_in(cell: str) -> list[str]:

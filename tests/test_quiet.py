@@ -214,9 +214,9 @@ def test_a_forked_worker_is_a_helper(tmp_path: Path) -> None:
         ("qkv_unified", pid, True),
         ("qkv_unified", os.getpid(), None),
     ]
-    from attnguard import summary
+    from attnguard import eventfiles
 
-    merged = summary.merge_records(recs)
+    merged = eventfiles.merge_records(recs)
     assert merged["applied"] == 2  # the worker's and the main process's, not max() of them
 
 

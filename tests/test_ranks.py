@@ -29,7 +29,14 @@ TIMEOUT_S = 420  # a hang in a collective fails the test here
 
 
 def launch(
-    mode: str, path: Path, attn: str, out: Path, guarded: bool, extra: tuple = ()
+    mode: str,
+    path: Path,
+    attn: str,
+    out: Path,
+    guarded: bool,
+    extra: tuple = (),
+    nproc: int = 2,
+    env_extra: dict[str, str] | None = None,
 ) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -37,13 +44,14 @@ def launch(
         env["PYTHONPATH"] = os.pathsep.join([DEEPSPEED_DIR, env["PYTHONPATH"]])
     if guarded:
         env.update(ATTNGUARD="1", ATTNGUARD_LOG=str(out / "events-{rank}.jsonl"))
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env.update(env_extra or {})
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += [str(WORKER), mode, str(path), attn, str(out), *extra]
     proc = subprocess.run(
         cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=str(out)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)}
 
 
 def decisions(out: Path, rank: int) -> list[tuple[str, str, Any]]:
@@ -130,3 +138,25 @@ def test_deepspeed_zero3_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_p
     assert_same_training(plain, guarded)
     said = assert_ranks_agree(out)
     assert all(d[0] in ("backend_fallback", "observed") for d in said)
+
+
+def test_verl_fsdp2_on_packed_rows_trains_as_without_the_guard(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """verl's actor with use_remove_padding: one packed row per step (position_ids restarting).
+    Guarded, flash_attention_2 runs on the twins' packed-row route; unguarded, the user's
+    attn_implementation="sdpa" (without a cache, which holds packed rows apart on 4.53+): the
+    same losses within bf16 rounding, the same decisions on both ranks, fp32 master weights."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("4.53"):
+        pytest.skip("transformers < 4.53: its sdpa path attends across packed rows (no reference)")
+    path = tiny_checkpoint("llama", "float32")
+    plain = launch("verl_fsdp2", path, "sdpa", tmp_path / "plain", False, ("packed",))
+    guarded = launch("verl_fsdp2", path, FLASH, tmp_path / "guarded", True, ("packed",))
+    for rank in (0, 1):
+        got, want = guarded[rank]["losses"], plain[rank]["losses"]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) < 1e-2, (got, want)
+        assert guarded[rank]["param_dtypes"] == ["float32"]
+    assert_ranks_agree(tmp_path / "guarded")

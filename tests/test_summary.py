@@ -15,11 +15,12 @@ from typing import Any
 
 from conftest import PY, subprocess_env
 
-from attnguard import summary
+from attnguard import eventfiles, events, summary
+from attnguard.eventfiles import Key
 
 # A worker: activates attnguard from the environment, emits what its rank would see, exits.
 WORKER = """
-import os, sys
+import os, sys, time
 import attnguard
 from attnguard import events, summary
 
@@ -39,6 +40,13 @@ if rank == 1 and guarded:
                     reason_code="rotary_device_mismatch", reason="moved position_ids", applied=True)
     events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
                 reason="flash-attn is not installed", applied=True)
+if mode == "nodist":  # what a job's collectives do: rank 0 ends after rank 1 did its work
+    flag = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank1-worked")
+    if rank == 1:
+        open(flag, "w").close()
+    else:
+        while not os.path.exists(flag):
+            time.sleep(0.01)
 if mode == "barrier":
     dist.barrier()
 if mode == "destroy":
@@ -101,38 +109,27 @@ def _summaries(path: Path) -> list[dict[str, Any]]:
 # --- aggregate -----------------------------------------------------------------------------------
 
 
+def _key(event: str, site: str, reason: str, n: int, kind: str = "applied") -> Key:
+    return Key(event, site, reason, n, {**dict.fromkeys(events.KINDS, 0), kind: n})
+
+
 def test_aggregate_sums_counts_and_names_the_ranks() -> None:
-    rank0 = {
-        "applied": 2,
-        "events": {"device_map_rewritten": 2},
-        "reasons": {"device_map_rewritten:device_map_per_rank": 2},
-        "sites": {"device_map_rewritten": ["transformers.load"]},
-    }
-    rank1 = {
-        "applied": 3,
-        "would_have": 5,
-        "events": {"device_map_rewritten": 3, "tensors_aligned": 5},
-        "reasons": {
-            "device_map_rewritten:device_map_per_rank": 3,
-            "tensors_aligned:rotary_device_mismatch": 5,
-        },
-        "sites": {"device_map_rewritten": ["transformers.load"], "tensors_aligned": ["rotary:X"]},
-        "keys": [
-            {
-                "event": "tensors_aligned",
-                "site": "rotary:X",
-                "reason_code": "r",
-                "count": 5,
-                "would_have": 5,
-            }
+    rank0 = summary.RankRecord(
+        "aa" * 8, [_key("device_map_rewritten", "transformers.load", "device_map_per_rank", 2)]
+    )
+    rank1 = summary.RankRecord(
+        "bb" * 8,
+        [
+            _key("device_map_rewritten", "transformers.load", "device_map_per_rank", 3),
+            _key("tensors_aligned", "rotary:X", "r", 5, "would_have"),
         ],
-    }
+    )
     agg = summary.aggregate({1: rank1, 0: rank0})
     assert agg["ranks"] == [0, 1]
     assert (agg["applied"], agg["would_have"], agg["observed"]) == (5, 5, 0)
     assert agg["events"] == {"device_map_rewritten": 5, "tensors_aligned": 5}
     assert agg["event_ranks"] == {"device_map_rewritten": [0, 1], "tensors_aligned": [1]}
-    assert agg["reason_ranks"]["tensors_aligned:rotary_device_mismatch"] == [1]
+    assert agg["reason_ranks"]["tensors_aligned:r"] == [1]
     assert agg["sites"]["device_map_rewritten"] == ["transformers.load"]
     assert agg["per_rank"]["0"] == {
         "applied": 2,
@@ -141,8 +138,9 @@ def test_aggregate_sums_counts_and_names_the_ranks() -> None:
         "internal_errors": 0,
     }
     assert agg["per_rank"]["1"]["would_have"] == 5
-    (key,) = agg["keys"]
-    assert (key["event"], key["count"], key["ranks"]) == ("tensors_aligned", 5, {"1": 5})
+    assert agg["rank_procs"] == {"0": "aa" * 8, "1": "bb" * 8}
+    key = next(k for k in agg["keys"] if k["event"] == "tensors_aligned")
+    assert (key["count"], key["ranks"]) == (5, {"1": 5})
     assert (key["applied"], key["would_have"]) == (0, 5)
     assert summary.aggregate({})["ranks"] == []
 
@@ -235,7 +233,7 @@ def test_summary_command_without_readable_input_fails(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
     )
-    assert res.returncode != 0 and "IsADirectoryError" in res.stderr
+    assert res.returncode == 2 and "a directory, not a regular file" in res.stderr
 
 
 def test_attnguard_version() -> None:
@@ -268,9 +266,9 @@ def test_warn_mode_files_report_would_have_not_changes(tmp_path: Path) -> None:
     ]
     path = tmp_path / "events-0.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    report = json.loads(summary.render_files([str(path)], as_json=True))
+    report = json.loads(eventfiles.render_files([str(path)], as_json=True))
     assert (report["applied"], report["would_have"], report["observed"]) == (0, 1, 1)
-    text = summary.render_files([str(path)], as_json=False)
+    text = eventfiles.render_files([str(path)], as_json=False)
     assert "0 change(s) applied by attnguard in these files; 1 more it would have applied" in text
     assert "intervention" not in text
 
@@ -278,7 +276,7 @@ def test_warn_mode_files_report_would_have_not_changes(tmp_path: Path) -> None:
 def test_summary_of_files_without_interventions(tmp_path: Path) -> None:
     path = tmp_path / "quiet.jsonl"
     path.write_text(json.dumps({"event": "activated", "rank": 0}) + "\n")
-    text = summary.render_files([str(path)], as_json=False)
+    text = eventfiles.render_files([str(path)], as_json=False)
     assert "nothing to change" in text and "0 change(s) applied" in text
 
 
@@ -300,7 +298,7 @@ def test_rank0_emits_one_summary_for_the_whole_job(tmp_path: Path) -> None:
     assert job["reason"].startswith("11 change(s) applied by attnguard over 2 of 2 ranks")
     # and the files merge to the same story
     report = json.loads(
-        summary.render_files(
+        eventfiles.render_files(
             [str(tmp_path / "events-0.jsonl"), str(tmp_path / "events-1.jsonl")], as_json=True
         )
     )

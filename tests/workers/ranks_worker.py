@@ -1,7 +1,7 @@
 """One rank of a real distributed training stack, on CPU with gloo, as the tests in
 tests/test_ranks.py launch it under torchrun (with and without ATTNGUARD=1).
 
-    python ranks_worker.py MODE CHECKPOINT ATTN_IMPLEMENTATION OUT_DIR [hand_fix]
+    python ranks_worker.py MODE CHECKPOINT ATTN_IMPLEMENTATION OUT_DIR [hand_fix] [packed]
 
 On a machine with CUDA each rank uses cuda:LOCAL_RANK and nccl (tests/gpu/test_ranks_gpu.py),
 else the CPU and gloo. MODE is how the stack builds and wraps the model:
@@ -21,7 +21,13 @@ else the CPU and gloo. MODE is how the stack builds and wraps the model:
 * ``zero3``: DeepSpeed ZeRO-3 through ``HfDeepSpeedConfig`` and ``deepspeed.initialize`` (the
   real package, DS_ACCELERATOR=cpu).
 
-Writes OUT_DIR/rank<r>.json: losses, parameter and optimizer-state dtypes, attention setting.
+``packed`` trains on one packed row instead of a padded batch: sequences of several lengths
+concatenated, ``position_ids`` restarting at each (verl's ``use_remove_padding``, TRL's
+``padding_free``, ``DataCollatorWithFlattening``); transformers' flash path then computes each
+sequence apart (varlen).
+
+Writes OUT_DIR/rank<r>.json: losses, step times (s), parameter and optimizer-state dtypes,
+attention setting.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 mode, path, attn, out_dir = sys.argv[1:5]
-hand_fix = sys.argv[5:6] == ["hand_fix"]
+hand_fix = "hand_fix" in sys.argv[5:]
+PACKED = "packed" in sys.argv[5:]
 STEPS = 3
 CUDA = torch.cuda.is_available()
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
@@ -46,21 +53,34 @@ if CUDA:
     torch.cuda.set_device(DEVICE)
 
 
-def batch() -> torch.Tensor:
+def batch() -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids, position_ids): the same on every rank."""
     g = torch.Generator().manual_seed(0)
-    return torch.randint(3, 120, (2, 12), generator=g).to(DEVICE)  # the same on every rank
+    if PACKED:
+        lens = [5, 11, 3, 9, 7]
+        ids = torch.randint(3, 120, (1, sum(lens)), generator=g)
+        pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+        return ids.to(DEVICE), pos.to(DEVICE)
+    return torch.randint(3, 120, (2, 12), generator=g).to(DEVICE), None
 
 
-def train(opt, forward) -> list[float]:
-    ids = batch()
-    losses = []
+def train(opt, forward) -> tuple[list[float], list[float]]:
+    """(losses, step times in seconds)."""
+    import time
+
+    ids, pos = batch()
+    losses, times = [], []
     for _ in range(STEPS):
-        loss = forward(ids)
+        t0 = time.perf_counter()
+        loss = forward(ids, pos)
         losses.append(float(loss.detach().float()))
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return losses
+        if CUDA:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return losses, times
 
 
 def dtypes(tensors) -> list[str]:
@@ -91,10 +111,10 @@ def main() -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
 
-        ids = batch()
+        ids, pos = batch()
         losses = []
         for _ in range(STEPS):
-            loss = engine(input_ids=ids, labels=ids).loss
+            loss = engine(input_ids=ids, position_ids=pos, labels=ids).loss
             losses.append(float(loss.detach().float()))
             engine.backward(loss)
             engine.step()
@@ -170,7 +190,13 @@ def main() -> None:
             result["devices_at_wrap"] = sorted({str(p.device) for p in model.parameters()})
             wrapped = DistributedDataParallel(model, device_ids=[LOCAL_RANK] if CUDA else None)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-        result["losses"] = train(opt, lambda ids: wrapped(input_ids=ids, labels=ids).loss)
+        # a training forward keeps no cache (transformers' sdpa holds packed rows apart only then)
+        result["losses"], result["step_s"] = train(
+            opt,
+            lambda ids, pos: (
+                wrapped(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
+            ),
+        )
         params = [getattr(p, "_local_tensor", p) for p in wrapped.parameters()]
         result["param_devices"] = sorted({str(p.device) for p in params})
         result["param_dtypes"] = dtypes(params)

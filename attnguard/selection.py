@@ -1,0 +1,263 @@
+"""Opt-in (``ATTNGUARD_KERNEL=fastest``): which kernel serves a flash-attention call — the pure part.
+
+With the switch on, a call to flash-attn's ``flash_attn_func``, ``flash_attn_varlen_func`` or
+``flash_attn_with_kvcache`` that the real kernel could compute is served by the fastest kernel
+that computes the same numbers, measured on this GPU (:mod:`attnguard.race` measures,
+:mod:`attnguard.decisions` remembers and makes ranks agree). This module holds the rules, with no
+side effects:
+
+* :func:`describe`: the call's facts, and its *bucket* — the decision's key: the entry point,
+  dtype, head dims, features (causal, window, softcap, ALiBi, dropout, LSE, gradients) and the
+  shapes rounded up to powers of two. Calls the switch never touches get a reason instead
+  (dropout, ``deterministic=True``, ALiBi, softcap, a paged or indexed KV cache, ...): their
+  numbers could not be compared, or no other kernel computes them.
+* :data:`CANDIDATES`: which kernels may serve a call of each kind, and when.
+* :func:`pick`: the winner from what was measured: the fastest candidate whose outputs (and
+  gradients) are within the dtype's rounding of the requested kernel's, and at least
+  :data:`MARGIN` faster than it; else the requested kernel stays.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+REQUESTED = "requested"
+MARGIN = 0.05  # a candidate must be at least 5 % faster than the requested kernel to win
+# max |candidate - requested| / max |requested|, outputs and gradients (the dtype's rounding:
+# bf16 keeps 8 bits, fp16 11; accumulated over a softmax row in a different order)
+TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
+SELECTED_ENTRIES = ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    entries: tuple[str, ...]
+    when: str
+    what: str
+
+
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate(
+        REQUESTED,
+        SELECTED_ENTRIES,
+        "always",
+        "the kernel the caller asked for (flash-attn); the reference every other is compared to",
+    ),
+    Candidate(
+        "sdpa",
+        ("flash_attn_func",),
+        "always",
+        "attnguard's twin: torch SDPA with the dispatcher's own choice (cuDNN on Hopper), or "
+        "torch's flash kernel for windows / bottom-right causality (attnguard.fallback.kernels)",
+    ),
+    Candidate(
+        "sdpa_cudnn",
+        ("flash_attn_func",),
+        "full attention or causal with Sq == Sk, no window",
+        "torch SDPA with only the cuDNN backend allowed",
+    ),
+    Candidate(
+        "sdpa_flash",
+        ("flash_attn_func",),
+        "full attention or causal with Sq == Sk, no window",
+        "torch SDPA with only its flash backend allowed",
+    ),
+    Candidate(
+        "sdpa_efficient",
+        ("flash_attn_func",),
+        "full attention or causal with Sq == Sk, no window",
+        "torch SDPA with only the memory-efficient backend allowed",
+    ),
+    Candidate(
+        "torch_flash",
+        SELECTED_ENTRIES,
+        "torch's flash kernel can run the call",
+        "torch's own FlashAttention-2 (packed rows and KV caches natively)",
+    ),
+)
+_BY_NAME = {c.name: c for c in CANDIDATES}
+SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
+SDPA_BACKENDS["sdpa_efficient"] = "EFFICIENT_ATTENTION"
+
+
+def _pow2(n: int) -> int:
+    """n rounded up to a power of two (0 stays 0)."""
+    return 0 if n <= 0 else 2 ** math.ceil(math.log2(n))
+
+
+def _max_len(value: Any) -> int | None:
+    """max_seqlen as an int. transformers' packed-row path passes a 0-d tensor; flash-attn's
+    own wrapper reads it on the host anyway, so an eager call may too; a trace may not."""
+    if isinstance(value, int):
+        return value
+    if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1:
+        torch = sys.modules.get("torch")
+        compiling = torch is not None and torch.compiler.is_compiling()
+        return None if compiling else int(value.item())
+    return None
+
+
+def _dtype(t: Any) -> str:
+    return str(getattr(t, "dtype", "")).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the rules need to know about one call (from its arguments; no tensor value)."""
+
+    entry: str
+    bucket: tuple[Any, ...] = ()
+    skip: str | None = None  # why the switch leaves this call to the requested kernel
+    dtype: str = ""
+    plain: bool = False  # dense: full attention or causal with Sq == Sk, no window
+    lse: bool = False  # the call returns the softmax LSE
+    grad: bool = False  # q, k or v requires grad: gradients are compared and timed too
+
+    @property
+    def label(self) -> str:
+        """A short, readable name of the bucket (event sites)."""
+        return "/".join(str(x) for x in self.bucket[1:])
+
+
+def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
+    """The call's bucket — ``(entry, dtype, head_dim, heads, kv_heads, causal, window, lse, grad,
+    plain, *shape)`` with shapes rounded up to powers of two — or, as a string, why the switch
+    leaves the call to the requested kernel. ``call`` maps the entry's parameter names to the
+    values passed. Plain ints, strings and tuples only: it runs inside torch.compile traces."""
+    q = call.get("q")
+    if entry not in SELECTED_ENTRIES or q is None or not getattr(q, "is_cuda", False):
+        return "not a CUDA flash-attention call"
+    dtype = _dtype(q)
+    if dtype not in TOLERANCE:
+        return f"{dtype} inputs"
+    if float(call.get("dropout_p") or 0.0) > 0.0:
+        return "dropout: outputs are random, no comparison possible"
+    if call.get("deterministic"):
+        return "deterministic=True asked of the kernel"
+    if call.get("alibi_slopes") is not None:
+        return "ALiBi: no other fused kernel computes it"
+    if float(call.get("softcap") or 0.0) > 0.0:
+        return "softcap: no other fused kernel computes it"
+    window = tuple(int(w) for w in (call.get("window_size") or (-1, -1)))
+    causal = bool(call.get("causal"))
+    lse = bool(call.get("return_attn_probs") or call.get("return_softmax_lse"))
+    heads, d = int(q.shape[-2]), int(q.shape[-1])
+    k = call.get("k") if entry != "flash_attn_with_kvcache" else call.get("k_cache")
+    kv_heads = int(k.shape[-2]) if k is not None else heads
+    grad = bool(
+        getattr(q, "requires_grad", False)
+        or getattr(call.get("k"), "requires_grad", False)
+        or getattr(call.get("v"), "requires_grad", False)
+    )
+    common = (entry, dtype, d, heads, kv_heads, causal, window, lse, grad)
+    if entry == "flash_attn_func":
+        b, sq, sk = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+        plain = window == (-1, -1) and (not causal or sq == sk)
+        return (*common, plain, "B", _pow2(b), "Sq", _pow2(sq), "Sk", _pow2(sk))
+    if entry == "flash_attn_varlen_func":
+        if call.get("block_table") is not None:
+            return "a paged block_table"
+        nseq = int(call["cu_seqlens_q"].shape[0]) - 1
+        total = int(q.shape[0])
+        mq, mk = _max_len(call.get("max_seqlen_q")), _max_len(call.get("max_seqlen_k"))
+        if mq is None or mk is None:
+            return "max_seqlen given as a tensor inside a torch.compile trace"
+        shape = ("T", _pow2(total), "N", _pow2(nseq), "maxq", _pow2(mq), "maxk", _pow2(mk))
+        return (*common, False, *shape)
+    # flash_attn_with_kvcache
+    for name in ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos"):
+        if call.get(name) is not None:
+            return f"a KV cache call with {name}"
+    b, sq, cap = int(q.shape[0]), int(q.shape[1]), int(k.shape[1])
+    new = call.get("k") is not None
+    return (*common, False, "B", _pow2(b), "Sq", _pow2(sq), "cap", _pow2(cap), "new", new)
+
+
+def describe(entry: str, call: dict[str, Any]) -> Call:
+    """:func:`bucket`, with the facts the race needs spelled out."""
+    key = bucket(entry, call)
+    if isinstance(key, str):
+        return Call(entry, skip=key)
+    return Call(entry, key, dtype=key[1], lse=key[7], grad=key[8], plain=key[9])
+
+
+def candidates(call: Call, torch_flash_ok: bool) -> list[str]:
+    """Candidate names for a described call, the requested kernel first."""
+    out = [REQUESTED]
+    for c in CANDIDATES[1:]:
+        if call.entry not in c.entries:
+            continue
+        if c.name == "torch_flash" and not torch_flash_ok:
+            continue
+        if c.name in SDPA_BACKENDS and (not call.plain or call.lse):  # SDPA returns no LSE
+            continue
+        out.append(c.name)
+    return out
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate's result on the call's own inputs."""
+
+    ms: float = math.inf  # median of the timed rounds
+    out_diff: float = math.inf  # max |candidate - requested| / max |requested|, outputs
+    grad_diff: float | None = None  # the same over q/k/v gradients (when the call trains)
+    error: str | None = None
+    rounds: tuple[float, ...] = ()  # each timed round's ms, rounds interleaved across candidates
+
+
+def _faster_every_round(m: Measured, base: Measured, margin: float) -> bool:
+    pairs = list(zip(m.rounds, base.rounds, strict=False))
+    return all(mine <= theirs * (1.0 - margin) for mine, theirs in pairs)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    winner: str
+    why: dict[str, str]  # candidate -> why it won / lost
+
+
+def pick(measured: dict[str, Measured], dtype: str, margin: float = MARGIN) -> Verdict:
+    """The fastest candidate within tolerance and ``margin`` faster than the requested one."""
+    tol = TOLERANCE.get(dtype, 0.0)
+    base = measured.get(REQUESTED)
+    why: dict[str, str] = {}
+    if base is None or base.error is not None or not math.isfinite(base.ms):
+        reason = base.error if base is not None and base.error else "not measured"
+        return Verdict(REQUESTED, {REQUESTED: f"the requested kernel could not be timed: {reason}"})
+    eligible: list[tuple[float, str]] = []
+    for name, m in measured.items():
+        if name == REQUESTED:
+            continue
+        if m.error is not None:
+            why[name] = f"failed on this call: {m.error}"
+        elif m.out_diff > tol:
+            why[name] = f"outputs differ by {m.out_diff:.3g} of max |out| (> {tol:g})"
+        elif m.grad_diff is not None and m.grad_diff > tol:
+            why[name] = f"gradients differ by {m.grad_diff:.3g} of max |grad| (> {tol:g})"
+        elif m.ms > base.ms * (1.0 - margin):
+            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster than {base.ms:.3f} ms"
+        elif not _faster_every_round(m, base, margin):
+            # timing noise must not pick a kernel that is not really faster: the margin has
+            # to hold in every round, not only in the median
+            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster in every timed round"
+        else:
+            eligible.append((m.ms, name))
+    if not eligible:
+        why[REQUESTED] = "no candidate within tolerance and faster by the margin"
+        return Verdict(REQUESTED, why)
+    eligible.sort()
+    best_ms, best = eligible[0]
+    why[best] = f"{best_ms:.3f} ms vs {base.ms:.3f} ms ({base.ms / best_ms:.2f}x), within tolerance"
+    for ms, name in eligible[1:]:
+        why[name] = f"{ms:.3f} ms: slower than {best}"
+    why[REQUESTED] = f"{base.ms:.3f} ms: slower than {best}"
+    return Verdict(best, why)
+
+
+def candidate(name: str) -> Candidate:
+    return _BY_NAME[name]

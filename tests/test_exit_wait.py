@@ -1,0 +1,62 @@
+"""Rank 0 waits at exit only for ranks that announced something to report (issue 22, item 5).
+
+The issue's case under real ``torchrun --nproc-per-node=2`` (gloo, CPU): a tiny Llama with
+sdpa (nothing for attnguard to do), a forward, then rank 1 destroys its process group and ends
+with ``os._exit(0)`` (no exit handler runs). Rank 0's wait for reports is set to an hour in the
+guarded run: if it waited for rank 1 at all, the job would outlive the test's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from conftest import PY, subprocess_env
+
+WORKER = """
+import os, sys
+import torch, torch.distributed as dist, transformers
+
+guarded = os.environ.get("ATTNGUARD") == "1"
+if guarded:
+    from attnguard import summary
+    summary.GATHER_TIMEOUT_S = 3600.0  # a wait for anyone shows as a hang
+
+dist.init_process_group("gloo")
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa")
+with torch.no_grad():
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]))
+dist.barrier()
+if dist.get_rank() == 1:
+    dist.destroy_process_group()
+    os._exit(0)
+"""
+TIMEOUT_S = 240  # well past an unguarded run (about 10 s here), far below the hour
+
+
+def launch(tmp_path: Path, checkpoint: Path, guarded: bool) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    if guarded:
+        env.update(ATTNGUARD="1", ATTNGUARD_LOG=str(tmp_path / "events-{rank}.jsonl"))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    res = subprocess.run(
+        [*cmd, str(checkpoint)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+def test_nothing_to_report_means_no_wait(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    checkpoint = tiny_checkpoint("llama")
+    launch(tmp_path, checkpoint, guarded=True)
+    lines = (tmp_path / "events-0.jsonl").read_text().splitlines()
+    (job,) = [r for r in map(json.loads, lines) if r["event"] == "summary"]
+    assert job["site"] == "job" and job["gathered_by"] == "process_group"
+    assert job["waited_for"] == []  # nobody announced anything: no wait
+    assert job["ranks"] == [0] and job["silent_ranks"] == [1]
+    assert "no report from rank(s) 1 by rank 0's exit; they announced no event" in job["reason"]
+    assert job["applied"] == 0 and job["level"] == "info"

@@ -1,0 +1,331 @@
+"""Opt-in kernel selection (ATTNGUARD_KERNEL=fastest) where it can be checked without a GPU.
+
+* the setting: validated like every other, off by default;
+* with the switch on and no GPU, a guarded program computes and reports exactly what it does
+  with the switch off (the switch only ever touches CUDA flash-attn calls);
+* the rules (attnguard.selection): buckets, what is never touched and why, candidates, winner;
+* the decisions (attnguard.decisions): a cache file that is corrupt, of another GPU or version,
+  another user's, a link or too large is ignored with one ``observed`` event and never trusted;
+  the first decision written wins and later ones adopt it; two ranks of a real torchrun job
+  (gloo) that measured different winners end with the same one.
+
+The races themselves, the cache hit in a second process and agreement with real measurements
+are GPU tests (tests/gpu/test_selection_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import PY, REPO, STANDINS, subprocess_env
+
+import attnguard
+from attnguard import decisions, selection
+from attnguard.selection import REQUESTED, Measured
+
+# --- the setting ------------------------------------------------------------------------------
+
+
+def test_the_switch_is_off_by_default_and_validated(monkeypatch):
+    assert attnguard.Settings().kernel == "requested"
+    assert attnguard.activate(log="none", kernel="fastest").kernel == "fastest"
+    monkeypatch.setenv("ATTNGUARD_KERNEL", "fastest ")
+    assert attnguard.activate(log="none").kernel == "fastest"
+    monkeypatch.setenv("ATTNGUARD_KERNEL", "quickest")
+    with pytest.raises(ValueError) as err:
+        attnguard.activate(log="none")
+    text = str(err.value)
+    assert "ATTNGUARD_KERNEL" in text and "'quickest'" in text and "requested | fastest" in text
+
+
+# --- no GPU: nothing changes --------------------------------------------------------------------
+
+_CPU_PROGRAM = r"""
+import json, sys, torch
+import attnguard
+from attnguard import events
+from flash_attn import flash_attn_func, flash_attn_varlen_func
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
+cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+with events.capture() as seen:
+    a = flash_attn_func(q, k, v, causal=True)
+    b = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, causal=True)
+names = sorted({(e["event"], e.get("reason_code")) for e in seen})
+torch.save({"a": a, "b": b}, sys.argv[1])
+print(json.dumps({"events": names, "kernel": attnguard.settings().kernel}))
+"""
+
+
+@pytest.mark.parametrize("switch", ["requested", "fastest"])
+def test_without_a_gpu_the_switch_changes_nothing(tmp_path, switch):
+    """The CPU stand-in of flash-attn refuses CPU tensors like the real kernel; the guard
+    reroutes to its twins either way, and the switch adds nothing: same numbers, same events."""
+    outs = {}
+    for mode in ("requested", switch):
+        env = subprocess_env(
+            ATTNGUARD="1",
+            ATTNGUARD_LOG="none",
+            ATTNGUARD_KERNEL=mode,
+            PYTHONPATH=f"{STANDINS}:{REPO}",
+        )
+        res = subprocess.run(
+            [PY, "-c", _CPU_PROGRAM, str(tmp_path / f"{mode}.pt")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs[mode] = (json.loads(res.stdout.splitlines()[-1]), torch.load(tmp_path / f"{mode}.pt"))
+    (info_off, t_off), (info_on, t_on) = outs["requested"], outs[switch]
+    assert info_on["kernel"] == switch
+    assert info_on["events"] == info_off["events"]
+    assert all(e[0] != "kernel_selected" for e in info_on["events"])
+    assert torch.equal(t_on["a"], t_off["a"]) and torch.equal(t_on["b"], t_off["b"])
+
+
+# --- the rules ----------------------------------------------------------------------------------
+
+
+class FakeCuda(SimpleNamespace):
+    """A tensor's metadata as describe() reads it (it never reads values)."""
+
+    def __init__(self, *shape, dtype=torch.bfloat16, requires_grad=False):
+        super().__init__(shape=shape, dtype=dtype, is_cuda=True, requires_grad=requires_grad)
+
+
+def dense(**kw):
+    call = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), "v": None}
+    call.update(kw)
+    return selection.describe("flash_attn_func", call)
+
+
+def test_buckets_round_shapes_up_to_powers_of_two():
+    a = dense(q=FakeCuda(3, 3000, 32, 128), k=FakeCuda(3, 3000, 8, 128), causal=True)
+    b = dense(q=FakeCuda(4, 4096, 32, 128), k=FakeCuda(4, 4096, 8, 128), causal=True)
+    assert a.bucket == b.bucket and a.skip is None and a.plain
+    assert dense(causal=True).bucket != dense(causal=False).bucket
+    grad = dense(q=FakeCuda(4, 4096, 32, 128, requires_grad=True))
+    assert grad.grad and grad.bucket != dense().bucket
+    varlen = selection.describe(
+        "flash_attn_varlen_func",
+        {
+            "q": FakeCuda(18000, 32, 128),
+            "k": FakeCuda(18000, 8, 128),
+            "cu_seqlens_q": torch.zeros(65, dtype=torch.int32),
+            "max_seqlen_q": 512,
+            "max_seqlen_k": 512,
+            "causal": True,
+        },
+    )
+    assert varlen.skip is None and varlen.bucket[10:12] == ("T", 32768)
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"dropout_p": 0.1}, "dropout"),
+        ({"deterministic": True}, "deterministic"),
+        ({"alibi_slopes": object()}, "ALiBi"),
+        ({"softcap": 30.0}, "softcap"),
+        ({"q": FakeCuda(4, 64, 8, 64, dtype=torch.float32)}, "float32"),
+    ],
+)
+def test_calls_the_switch_never_touches(kw, why):
+    assert why in dense(**kw).skip
+    cpu = {"q": torch.zeros(1, 4, 2, 8), "k": torch.zeros(1, 4, 2, 8)}
+    assert selection.describe("flash_attn_func", cpu).skip == "not a CUDA flash-attention call"
+    kv = {"q": FakeCuda(2, 1, 8, 64), "k_cache": FakeCuda(2, 64, 2, 64), "block_table": 1}
+    assert "block_table" in selection.describe("flash_attn_with_kvcache", kv).skip
+
+
+def test_candidates_follow_what_each_kernel_can_express():
+    plain = selection.candidates(dense(causal=True), torch_flash_ok=True)
+    assert plain == [REQUESTED, "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "torch_flash"]
+    window = dense(causal=True, window_size=(127, 0))
+    assert selection.candidates(window, torch_flash_ok=False) == [REQUESTED, "sdpa"]
+    lse = dense(causal=True, return_attn_probs=True)
+    assert selection.candidates(lse, torch_flash_ok=True) == [REQUESTED, "sdpa", "torch_flash"]
+
+
+def test_the_winner_is_within_tolerance_and_faster_by_the_margin():
+    base = Measured(ms=10.0, out_diff=0.0)
+    measured = {
+        REQUESTED: base,
+        "sdpa": Measured(ms=6.0, out_diff=0.004, grad_diff=0.01),
+        "sdpa_cudnn": Measured(ms=5.0, out_diff=0.5),  # fast but wrong
+        "sdpa_flash": Measured(ms=9.7, out_diff=0.0),  # within 5 %: not worth it
+        "torch_flash": Measured(error="RuntimeError: no"),
+    }
+    v = selection.pick(measured, "bfloat16")
+    assert v.winner == "sdpa"
+    assert "outputs differ" in v.why["sdpa_cudnn"] and "5%" in v.why["sdpa_flash"]
+    assert "failed" in v.why["torch_flash"] and "1.67x" in v.why["sdpa"]
+    slow = {REQUESTED: base, "sdpa": Measured(ms=9.8, out_diff=0.0)}
+    assert selection.pick(slow, "bfloat16").winner == REQUESTED
+    noisy = {
+        REQUESTED: Measured(ms=10.0, out_diff=0.0, rounds=(10.0, 10.0, 10.0)),
+        "sdpa": Measured(ms=9.0, out_diff=0.0, rounds=(9.0, 8.9, 9.8)),  # one round not faster
+    }
+    assert selection.pick(noisy, "bfloat16").winner == REQUESTED
+    assert "every timed round" in selection.pick(noisy, "bfloat16").why["sdpa"]
+    grads_off = {REQUESTED: base, "sdpa": Measured(ms=2.0, out_diff=0.0, grad_diff=0.2)}
+    assert "gradients differ" in selection.pick(grads_off, "bfloat16").why["sdpa"]
+    assert selection.pick({REQUESTED: Measured(error="x")}, "bfloat16").winner == REQUESTED
+
+
+# --- the decisions on disk and across ranks -------------------------------------------------------
+
+FP = ("f" * 16, {"gpu": "Test GPU", "torch": "2.x", "flash_attn": "2.8.3", "attnguard": "0"})
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch, captured):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    decisions.reset()
+    monkeypatch.setattr(decisions, "fingerprint", lambda: FP)
+    attnguard.activate(log="none")
+    call = dense(causal=True)
+    path = os.path.join(decisions.cache_dir(), decisions._bucket_id(call.bucket) + ".json")
+    yield SimpleNamespace(call=call, path=path, events=captured, dir=decisions.cache_dir())
+    decisions.reset()
+
+
+def ignored(events):
+    return [e for e in events if e["reason_code"] == "kernel_cache_ignored"]
+
+
+def test_a_decision_written_first_wins_and_reads_back(cache):
+    first = decisions.Decision("sdpa", {"sdpa": "1.5x"}, {"sdpa": {"ms": 1.0}})
+    second = decisions.Decision(REQUESTED, {REQUESTED: "kept"})
+    assert decisions._write_disk_first(cache.call, first).winner == "sdpa"
+    assert decisions._write_disk_first(cache.call, second).winner == "sdpa"  # adopts the first
+    assert decisions._read_disk(cache.call).as_json() == first.as_json()
+    assert oct(os.stat(cache.dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(cache.path).st_mode & 0o777) == "0o600"
+    assert not ignored(cache.events)
+
+
+def _write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(data if isinstance(data, str) else json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{not json", "unreadable"),
+        ({"schema": 1, "fingerprint": {**FP[1], "gpu": "Other GPU"}}, "another GPU"),
+        ({"schema": 1, "fingerprint": {**FP[1], "attnguard": "9"}}, "another GPU or with other"),
+        ({"schema": 7}, "schema"),
+        ("x" * (1 << 17), "at most 65536"),
+        ("[" * 30000 + "]" * 30000, "unreadable"),  # nesting deeper than Python recurses
+    ],
+)
+def test_bad_cache_files_are_ignored_with_one_event(cache, content, why):
+    _write(cache.path, content)
+    for _ in range(3):
+        assert decisions._read_disk(cache.call) is None
+    seen = ignored(cache.events)
+    assert len(seen) == 1 and seen[0]["event"] == "observed", seen
+    assert why in seen[0]["reason"]
+
+
+def test_a_planted_link_is_not_followed(cache, tmp_path):
+    target = tmp_path / "elsewhere.json"
+    good = json.loads(decisions._record(cache.call, decisions.Decision("sdpa")).decode())
+    target.write_text(json.dumps(good))
+    os.makedirs(cache.dir, exist_ok=True)
+    os.symlink(target, cache.path)
+    assert decisions._read_disk(cache.call) is None
+    assert "symbolic link" in ignored(cache.events)[0]["reason"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_another_users_cache_file_is_not_trusted(cache):
+    good = json.loads(decisions._record(cache.call, decisions.Decision("sdpa")).decode())
+    _write(cache.path, good)
+    os.chown(cache.path, 65534, 65534)  # nobody
+    assert decisions._read_disk(cache.call) is None
+    assert "another user" in ignored(cache.events)[0]["reason"]
+
+
+def test_ranks_adopt_the_first_posted_decision_from_the_store(cache):
+    store = torch.distributed.HashStore()
+    key = "attnguard/kernel/v1/test"
+    mine = decisions.Decision("sdpa", {"sdpa": "1.6x"}, {"sdpa": {"ms": 1.0}})
+    theirs = decisions.Decision(REQUESTED, {REQUESTED: "kept"}, {"requested": {"ms": 1.0}})
+    assert decisions._agree(store, key, cache.call, mine).winner == "sdpa"
+    later = decisions._agree(store, key, cache.call, theirs)
+    assert later.winner == "sdpa" and later.source == "this job"
+
+
+def test_several_ranks_without_a_group_never_race(cache, monkeypatch):
+    """No process group to agree through: a race's winner could differ per rank, so none runs;
+    a decision already cached on this node (the same file for every rank) is used."""
+
+    def no_race(*a, **k):
+        raise AssertionError("raced without a way to agree")
+
+    monkeypatch.setattr(decisions, "_race", no_race)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    entry = SimpleNamespace(params=("q",), name="flash_attn_func")
+    kept = decisions._decide(entry, (), {}, cache.call)
+    assert kept.winner == REQUESTED and kept.source == "not measured"
+    assert "no process group" in kept.why[REQUESTED]
+    decisions._write_disk_first(cache.call, decisions.Decision("sdpa", {"sdpa": "1.5x"}))
+    found = decisions._decide(entry, (), {}, cache.call)
+    assert found.winner == "sdpa" and found.source == "disk cache"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ranks on several nodes: disks differ
+    assert decisions._decide(entry, (), {}, cache.call).winner == REQUESTED
+
+
+_RANK_PROGRAM = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+import attnguard
+from attnguard import decisions, selection
+from types import SimpleNamespace
+decisions.fingerprint = lambda: ("e" * 16, {"gpu": "Test GPU"})
+attnguard.activate(log="none")
+rank = dist.get_rank()
+# each rank measured another winner (as timing noise can make them); the job must agree
+def fake_race(entry, args, kwargs, call):
+    import time
+    time.sleep(0.2 * rank)
+    winner = "sdpa" if rank == 1 else "requested"
+    return decisions.Decision(winner, {winner: f"rank {rank}"}, {winner: {"ms": float(rank)}})
+decisions._race = fake_race
+decisions._read_disk = lambda call: None
+decisions._write_disk_first = lambda call, d: d
+class T(SimpleNamespace):
+    pass
+q = T(shape=(4, 4096, 32, 128), dtype=torch.bfloat16, is_cuda=True, requires_grad=False)
+call = selection.describe("flash_attn_func", {"q": q, "k": q, "causal": True})
+decisions._why_not_race = lambda: None
+got = decisions._decide(SimpleNamespace(params=("q",), name="flash_attn_func"), (), {}, call)
+print(json.dumps({"rank": rank, "winner": got.winner, "source": got.source}))
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_of_a_job_agree_on_one_winner(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_PROGRAM)
+    env = subprocess_env(OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
+    assert len(got) == 2
+    assert got[0]["winner"] == got[1]["winner"] == "requested"  # rank 0 posted first
+    assert {g["source"] for g in got} == {"measured", "this job"}
