@@ -202,7 +202,11 @@ def _get_chain() -> Any:
 def _to_stdlib(ed: dict[str, Any]) -> None:
     """One LogRecord per event, every field an attribute. A field whose name the record already
     has (a standard attribute, or one the app's record factory sets, such as ``rank``) is
-    stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead."""
+    stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead.
+
+    OpenTelemetry's event conventions on top: ``event.name`` (``attnguard.<event>``, few values:
+    one per event name) on every record, and ``error.type`` (the failing exception's fully
+    qualified type, else its name) on ``internal_error``."""
     levelno = _LEVELNO.get(ed["level"], 20)
     if not stdlib_logger.isEnabledFor(levelno):
         return
@@ -220,9 +224,12 @@ def _to_stdlib(ed: dict[str, Any]) -> None:
         None,
         func,
     )
+    conventions = {"event.name": f"attnguard.{ed['event']}"}
+    if ed["event"] == "internal_error":
+        conventions["error.type"] = ed.get("error_type") or ed.get("reason_code") or "Exception"
     attrs = record.__dict__
     taken = set(attrs) | {"message", "asctime"}
-    for key, value in ed.items():
+    for key, value in {**ed, **conventions}.items():
         name = key
         while name in taken:
             name = f"ag_{name}"

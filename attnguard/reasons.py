@@ -216,8 +216,9 @@ _TABLE: tuple[Reason, ...] = (
     Reason(
         "cpu_tensors",
         ("backend_rerouted",),
-        "a CUDA-only kernel got CPU tensors",
-        "move the model to the GPU before calling a flash kernel, or use sdpa on CPU",
+        "a CUDA-only kernel (flash-attn, xformers) got CPU tensors",
+        "this kernel runs on CUDA only: pass it tensors on the GPU, or call "
+        "torch.nn.functional.scaled_dot_product_attention with CPU tensors",
     ),
     Reason(
         "head_dim_unsupported",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -74,6 +75,54 @@ def _scoped(scope: Scope | None) -> Iterator[None]:
         yield
     finally:
         _SCOPE.reset(token)
+
+
+# Models whose backend attnguard decided and reported as flash's code path on the SDPA twins (at
+# their own gate in ``Model(config)``, or by their load): the sub-models their ``__init__`` builds
+# next (``LlamaModel`` inside ``LlamaForCausalLM``, each with its own gate) and ``guard_model()``
+# on them reuse that decision instead of reporting it again. One model, one occurrence.
+_ON_TWINS: weakref.WeakKeyDictionary[Any, Scope] = weakref.WeakKeyDictionary()
+
+
+def _remember_twins(model: Any, site: str) -> None:
+    if model is not None:
+        _ON_TWINS[model] = Scope(site, type(model).__name__, True, True)
+
+
+def _models_being_built(max_depth: int = 64) -> list[Any]:
+    """The PreTrainedModel instances whose ``__init__`` is running on this thread, innermost
+    first (a VLM's sub-model inside the VLM, ``LlamaModel`` inside ``LlamaForCausalLM``)."""
+    found: list[Any] = []
+    frame = sys._getframe(1)
+    depth = 0
+    while frame is not None and depth < max_depth:
+        if frame.f_code.co_name == "__init__":
+            owner = frame.f_locals.get("self")
+            if _is_pretrained_model(owner) and all(owner is not f for f in found):
+                found.append(owner)
+        frame = frame.f_back
+        depth += 1
+    return found
+
+
+def _is_pretrained_model(obj: Any) -> bool:
+    cls = type(obj)
+    return hasattr(cls, "_check_and_adjust_attn_implementation") or hasattr(
+        cls, "_autoset_attn_implementation"
+    )
+
+
+def _enclosing_decision() -> Scope | None:
+    """The decision of the load in progress, else that of a model under construction around
+    this gate (its own gate already decided the backend on the twins)."""
+    scope = _SCOPE.get()
+    if scope is not None:
+        return scope
+    for model in _models_being_built():
+        decided = _ON_TWINS.get(model)
+        if decided is not None:
+            return decided
+    return None
 
 
 # --- small readers -------------------------------------------------------------------------------
@@ -490,6 +539,8 @@ def _after_load(model: Any, plan: Plan | None, settings: Settings, site: str) ->
     try:
         if plan is not None and plan.changes and settings.changes_things:
             verify(model, plan, site)
+        if _on_twins(plan, settings):
+            _remember_twins(model, site)
         if settings.allows("align") and hasattr(model, "parameters"):
             from .multigpu import install_rotary_alignment
 
@@ -673,22 +724,11 @@ def guarded_from_config(
     return model
 
 
-def _inside_model_init(max_depth: int = 64) -> bool:
+def _inside_model_init() -> bool:
     """True when called from a PreTrainedModel ``__init__`` (a VLM building its sub-models with
     ``_from_config``): the outer model's own load decides dtype and device for the whole model,
     and the backend gate of each sub-model still runs."""
-    frame = sys._getframe(2)
-    depth = 0
-    while frame is not None and depth < max_depth:
-        if frame.f_code.co_name == "__init__":
-            owner = frame.f_locals.get("self")
-            if owner is not None and hasattr(type(owner), "_check_and_adjust_attn_implementation"):
-                return True
-            if owner is not None and hasattr(type(owner), "_autoset_attn_implementation"):
-                return True
-        frame = frame.f_back
-        depth += 1
-    return False
+    return bool(_models_being_built())
 
 
 def _decided(plan: Plan | None) -> bool:
@@ -719,10 +759,10 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     settings = _active_settings()
     if settings is None:
         return GateDecision(requested)
-    scope = _SCOPE.get()
+    scope = _enclosing_decision()
     support = _support_fields(cls)
     if scope is not None and scope.backend_decided and support["supports_flash"]:
-        # the outer load already decided (and reported) the backend
+        # the outer load or model already decided (and reported) the backend
         return GateDecision(_twins_attn(requested) if scope.twins else requested, scope.twins)
     site = scope.site if scope is not None else site_default
     facts = facts_mod.current()
@@ -760,6 +800,7 @@ def guarded_check_and_adjust(
         raise decision.error
     new = decision.attn
     if decision.twins:
+        _remember_twins(instance, SITE_INIT)
         # transformers' other checks for this model still run; its flash check would refuse a
         # kernel that cannot run here (or fetch one from the hub): the twins compute instead
         _call_with(wrapped, args, kwargs, "eager")
@@ -816,6 +857,9 @@ def guarded_autoset(
         raise decision.error
     new = decision.attn
     if decision.twins:
+        building = _models_being_built()  # the classmethod is called from the model's __init__
+        if building and isinstance(building[0], cls):
+            _remember_twins(building[0], SITE_INIT)
         # transformers' own flash check (``_check_and_enable_flash_attn_2``) runs inside and,
         # seeing the scope, lets flash's code path stand for the SDPA twins
         with _scoped(Scope(SITE_INIT, getattr(cls, "__name__", "?"), True, True)):
@@ -931,6 +975,9 @@ def guard_built_model(model: Any) -> Any:
             facts = replace(facts, init=replace(facts.init, zero3=True))
         request = model_request(model, state)
         plan = plan_load(request, facts, settings)
+        if model in _ON_TWINS:  # its backend was decided and reported when it was built
+            reported = plan_backend(request, facts, settings).actions
+            plan = replace(plan, actions=tuple(a for a in plan.actions if a not in reported))
         error = report(plan, settings, SITE_INIT)
     except Exception as exc:
         report_internal_error(SITE_INIT, exc)

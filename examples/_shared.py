@@ -7,11 +7,13 @@ Not part of attnguard's API; each example imports attnguard itself, first.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import attnguard
+from attnguard import routing
 from attnguard.plan import Plan
 
 # A tiny text model: the shape of Qwen2 / Llama, 2 layers of width 64 (loads in well under 1 s).
@@ -73,6 +75,50 @@ def vl_prompt(device: Any = "cpu") -> dict[str, Any]:
     }
 
 
+def computed_by(model: Any) -> str:
+    """One line: the model's attention implementation and what computes its calls (where flash
+    attention cannot run, :mod:`attnguard.routing` sends transformers' flash path to the twins)."""
+    impl = model.config._attn_implementation
+    if not (isinstance(impl, str) and "flash" in impl):
+        return f"attention {impl!r}: transformers' {impl} code path"
+    unusable = routing.flash_kernel_unusable(impl)
+    if unusable is None:
+        return f"attention {impl!r}: transformers' flash code path on the flash-attn kernel"
+    return (
+        f"attention {impl!r}: transformers' flash code path, its kernel calls computed by "
+        f"attnguard's SDPA twins of the flash-attn functions (flash-attn cannot run here: "
+        f"{unusable})"
+    )
+
+
+class _CastNotes(logging.Handler):
+    """Collects transformers' own warning that its flash path casts float32 inputs "back" to
+    float32 (5.x: "Casting fp32 inputs back to torch.float32 ...", 4.x: "... We will cast back
+    the input in torch.float32."), to explain it in finish()."""
+
+    seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        _, back, target = text.partition(" back ")
+        if back and "cast" in text.lower() and "torch.float32" in target:
+            self.seen.append(text)
+
+
+# transformers' loggers are children of "transformers": its own handler prints the line, ours
+# only notes it
+logging.getLogger("transformers").addHandler(_CastNotes())
+
+CAST_NOTE = (
+    "transformers' flash code path casts float32 q/k/v to the autocast dtype, else to the dtype "
+    "of the layer's weights, before each flash call, and says so once. Here that dtype is "
+    "float32, so the cast changes nothing. The real flash-attn kernel refuses float32 "
+    '("FlashAttention only support fp16 and bf16 data type"); attnguard\'s SDPA twins compute '
+    "it in float32, and on a GPU, where you chose no dtype, attnguard loads such a model in bf16 "
+    "(see family_e_fp32_flash.py)."
+)
+
+
 def first_line(exc: BaseException) -> str:
     text = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {text[:200]}"
@@ -105,6 +151,8 @@ def show_plan(title: str, plan: Plan) -> list[str]:
 def finish(captured: list[dict[str, Any]], planned: list[str] | None = None) -> None:
     """A short list of the events this run caused (attnguard's own sink prints them in full on
     stderr, unless ATTNGUARD_LOG=none), then the machine-readable lines the example test reads."""
+    for note in dict.fromkeys(_CastNotes.seen):
+        print(f'\nNot from attnguard: transformers logged "{note}" {CAST_NOTE}')
     caused = [e for e in captured if e["event"] not in ("activated", "summary")]
     print(f"\nEvents attnguard emitted in this run ({len(caused)}):")
     for e in caused:

@@ -10,7 +10,7 @@ attnguard: imports the extension for real before deciding; with a broken one the
 transformers' flash code path and attnguard's SDPA twins compute its kernel calls
 (``backend_fallback``, reason ``extension_broken``), with the import error in the reason so the
 user knows what to reinstall. ``from flash_attn import ...`` in your own code keeps failing with
-the same ImportError as without attnguard (README: "flash-attn installed but broken").
+the same ImportError as without attnguard (docs/how-it-works.md says why).
 
 Run (needs a broken install on PYTHONPATH; GPU not needed). Build one without CUDA (~15 s):
 
@@ -30,9 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log files stay JSON
     os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
 
-import attnguard  # noqa: E402, F401  (importing activates the guard)
+import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, finish, without_attnguard  # noqa: E402
+from _shared import TINY_TEXT, computed_by, finish, without_attnguard  # noqa: E402
 from attnguard import events, facts  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
@@ -61,6 +61,8 @@ def main() -> None:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             print(f"  {type(model).__name__} with {model.config._attn_implementation!r}")
+            if attnguard.is_active():
+                print(f"  {computed_by(model)}")
             return loss.item()
 
         print("without attnguard:", without_attnguard(train_step))

@@ -32,6 +32,7 @@ for var, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
 from _shared import (  # noqa: E402
+    computed_by,
     finish,
     show_plan,
     tiny_qwen2_5_vl_config,
@@ -66,6 +67,7 @@ def main() -> None:
         f"{next(model.parameters()).dtype}, attention {model.config._attn_implementation!r}; "
         f"generated {out[0, -4:].tolist()}"
     )
+    print(f"  {computed_by(model)}")
     if model.config._attn_implementation != "flash_attention_2":
         print("(flash-attn cannot run here, so there is nothing to place: see the plan below)")
 

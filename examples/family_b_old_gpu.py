@@ -28,7 +28,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, finish, show_plan, without_attnguard  # noqa: E402
+from _shared import TINY_TEXT, computed_by, finish, show_plan, without_attnguard  # noqa: E402
 from attnguard import events, facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config  # noqa: E402
@@ -61,6 +61,7 @@ def main() -> None:
         f"with attnguard: {type(model).__name__}, {next(model.parameters()).dtype}, attention "
         f"{model.config._attn_implementation!r}; one training step, loss {loss.item():.3f}"
     )
+    print(f"  {computed_by(model)}")
 
     # The same load on a V100 with flash-attn 2.8.3 installed (injected facts, not run).
     v100 = facts.synthetic(

@@ -30,7 +30,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import finish, show_plan, tiny_qwen2_5_vl_config, vl_prompt  # noqa: E402
+from _shared import computed_by, finish, show_plan, tiny_qwen2_5_vl_config, vl_prompt  # noqa: E402
 from attnguard import events, facts  # noqa: E402
 from attnguard.multigpu import estimate_model_bytes  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
@@ -102,6 +102,7 @@ def main() -> None:
         f"rank {rank} of {world}: model on {devices}, attention "
         f"{model.config._attn_implementation!r}; generated {out[0, -4:].tolist()}"
     )
+    print(f"  {computed_by(model)}")
     planned = None
     if world < 2 or torch.cuda.device_count() < 2:
         print("The real failure needs 2 GPUs: torchrun --nproc-per-node=2 " + __file__)

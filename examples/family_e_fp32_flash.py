@@ -30,7 +30,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, finish, show_plan, without_attnguard  # noqa: E402
+from _shared import TINY_TEXT, computed_by, finish, show_plan, without_attnguard  # noqa: E402
 from attnguard import events, facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
@@ -59,6 +59,7 @@ def main() -> None:
         f"{next(model.parameters()).dtype}, attention {model.config._attn_implementation!r}; "
         f"first forward ran, logits {tuple(logits.shape)}"
     )
+    print(f"  {computed_by(model)}")
 
     # The same load on an H100 with flash-attn 2.8.3 (injected facts, not run).
     request = LoadRequest(

@@ -2,10 +2,11 @@
 
 A tiny random Llama is saved and loaded back with ``attn_implementation="flash_attention_2"`` —
 the usual line in training scripts. Without flash-attn (or without a GPU) transformers refuses it
-with an ImportError before the weights load. With attnguard active the model loads with
-transformers' flash code path kept and its kernel calls computed by attnguard's SDPA twins of the
-flash-attn functions (the same results flash would give: padding, packed sequences, windows),
-and attnguard says so as one structured event (console on a terminal, JSON otherwise).
+with an ImportError before the weights load: the example shows that first, with attnguard
+switched off. With attnguard active the model loads with transformers' flash code path kept and
+its kernel calls computed by attnguard's SDPA twins of the flash-attn functions (the same results
+flash would give: padding, packed sequences, windows), and attnguard says so as one structured
+event (console on a terminal, JSON otherwise). The last lines list the events this run caused.
 
     python examples/quickstart.py
 """
@@ -21,6 +22,8 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
+from _shared import computed_by, finish, without_attnguard  # noqa: E402
+from attnguard import events  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 
@@ -37,15 +40,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ckpt:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+
+        def load() -> torch.nn.Module:
+            return AutoModelForCausalLM.from_pretrained(
+                ckpt, attn_implementation="flash_attention_2"
+            )
+
         print("Loading with attn_implementation='flash_attention_2' ...")
-        model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="flash_attention_2")
-        ids = torch.tensor([[1, 5, 9, 12, 7]])
-        out = model.generate(ids, max_new_tokens=5, do_sample=False)
-    print(
-        f"Loaded {type(model).__name__} with attention backend {model.config._attn_implementation!r}"
-    )
+        print("without attnguard:", without_attnguard(load))
+        with events.capture() as captured:
+            model = load()
+            ids = torch.tensor([[1, 5, 9, 12, 7]])
+            out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    print(f"with attnguard: loaded {type(model).__name__}; {computed_by(model)}")
     print(f"Generated tokens: {out[0].tolist()}")
     print(f"attnguard active: {attnguard.is_active()} (mode {attnguard.settings().mode})")
+    finish(captured)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,61 @@
 #!/usr/bin/env bash
-# The test command (README "Run the tests"): installs attnguard with its test extras into the
-# active Python environment, CPU torch pinned so no multi-GB CUDA build is pulled, plus the
-# test-only installs that recreate real failure cases, then runs pytest with any arguments given.
+# The test command (README "Run the tests"). Into the active Python environment it installs only
+# attnguard (editable) with its `test` extras and torch 2.13.0 (CPU, pinned so no multi-GB CUDA
+# build is pulled). The test-only packages that recreate real failure cases go into .test-deps/
+# of this checkout, never into the environment, and only the test run sees them:
+#
+#   .test-deps/xformers-0.0.35-pyXY/   xformers from PyPI without its torch pin: its CUDA ops
+#       never load on a CPU machine ("xformers installed but unusable"); on the PYTHONPATH of
+#       the pytest run
+#   .test-deps/deepspeed-0.19.8-pyXY/  DeepSpeed without its CUDA ops (ZeRO-3 on CPU with gloo)
+#       and the packages it needs that the environment lacks; on the PYTHONPATH of
+#       tests/test_ranks.py's DeepSpeed workers only ($TEST_DEEPSPEED_DIR)
+#   .test-deps/flash-attn-nocuda/      flash-attn 2.8.3 built without its CUDA extension (a broken
+#       install); on the path of the tests that need it only ($TEST_BROKEN_FLASH_ATTN_DIR)
+#
+# Then it runs pytest with any arguments given.
 #
 #   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+TORCH="torch==2.13.0"
 pin=()
 [ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
-"$PY" -m pip install -q "torch==2.13.0" "${pin[@]}" -e ".[test]"
-# xformers from PyPI, without its torch pin: its CUDA ops never load on a CPU machine — the real
-# "xformers installed but unusable" case the guard must carry.
-"$PY" -m pip install -q --no-deps "xformers==0.0.35" "numpy"
-# The real DeepSpeed (ZeRO-3 on CPU with gloo, tests/test_ranks.py), without its CUDA ops.
-DS_BUILD_OPS=0 "$PY" -m pip install -q "torch==2.13.0" "deepspeed==0.19.8"
+"$PY" -m pip install -q "$TORCH" "${pin[@]}" -e ".[test]"
+deps="$PWD/.test-deps"
+py=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])') # compiled parts differ
+
+xformers="$deps/xformers-0.0.35-$py"
+if [ ! -d "$xformers/xformers" ]; then
+  "$PY" -m pip install -q --no-deps --target "$xformers" "xformers==0.0.35"
+fi
+
+# What pip would add to this environment for DeepSpeed goes into its directory instead; made
+# again when it no longer completes the environment (made for another one that had more).
+deepspeed="$deps/deepspeed-0.19.8-$py"
+if ! PYTHONPATH="$deepspeed" "$PY" scripts/requirements_met.py "deepspeed==0.19.8" >/dev/null; then
+  rm -rf "$deepspeed"
+  missing=$(DS_BUILD_OPS=0 "$PY" -m pip install --dry-run -q --report - "$TORCH" "deepspeed==0.19.8" |
+    "$PY" -c 'import json, sys
+print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
+               for p in json.load(sys.stdin)["install"]))')
+  # shellcheck disable=SC2086 # one word per requirement
+  DS_BUILD_OPS=0 "$PY" -m pip install -q --no-deps --target "$deepspeed" $missing
+fi
+export TEST_DEEPSPEED_DIR="$deepspeed"
+
 # A real broken flash-attn install: the PyPI sdist built without its CUDA extension (~12 s, no
-# CUDA torch), kept out of the environment so other tests still see flash-attn absent; the tests
-# that need it put it on sys.path (TEST_BROKEN_FLASH_ATTN_DIR).
-broken="$PWD/.test-deps/flash-attn-nocuda"
+# CUDA torch); the tests that need it put it on their path (TEST_BROKEN_FLASH_ATTN_DIR).
+broken="$deps/flash-attn-nocuda"
 if [ ! -d "$broken/flash_attn" ]; then
   FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE FLASH_ATTENTION_FORCE_BUILD=TRUE \
     "$PY" -m pip install -q --no-build-isolation --no-deps --target "$broken" "flash-attn==2.8.3"
 fi
 export TEST_BROKEN_FLASH_ATTN_DIR="$broken"
+
 set +e
-"$PY" -m pytest "$@"
+PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

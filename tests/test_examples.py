@@ -13,15 +13,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import transformers
 from conftest import PY, REPO, STANDINS, subprocess_env
 
-from attnguard import facts
+from attnguard import events, facts
 
 EXAMPLES = REPO / "examples"
 BROKEN_DIR = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
@@ -42,7 +45,68 @@ class Run:
         return [e for e in self.logged if e["event"] not in BOOKKEEPING]
 
 
-def run_example(name: str, *extra_path: str | Path) -> Run:
+# --- what README.md and docs/examples.md quote from the examples --------------------------------
+
+README = (REPO / "README.md").read_text()
+DOCS_EXAMPLES = (REPO / "docs" / "examples.md").read_text()
+# README's "What you see" lines were recorded with one transformers release: transformers' own
+# words ("without attnguard") are checked on that release, attnguard's on every release
+RECORDED_WITH = re.search(r"lines recorded with transformers (\S+),", README).group(1)
+
+
+def _table_rows(text: str, heading: str, example: str) -> list[list[str]]:
+    """The cells of the rows naming ``example`` in the first table under ``heading``."""
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [row.strip().strip("|").split(" | ") for row in rows if f"{example}`" in row]
+
+
+def quoted(cell: str) -> list[list[str]]:
+    """The output a cell quotes (each code span), as its pieces around "…"."""
+    spans = re.findall(r"``\s?(.+?)\s?``|`([^`]+)`", cell)
+    return [[p.strip() for p in (a or b).split("…") if p.strip()] for a, b in spans]
+
+
+def printed(pieces: list[str], lines: list[str]) -> bool:
+    """Some line holds the pieces, in order."""
+    for line in lines:
+        at = 0
+        for piece in pieces:
+            at = line.find(piece, at)
+            if at < 0:
+                break
+            at += len(piece)
+        else:
+            return True
+    return False
+
+
+def check_quotes(name: str, run: Run) -> None:
+    """Every piece of output README's "What you see" table and docs/examples.md quote for this
+    example is in what it printed (attnguard's console lines rendered from its JSON events, as
+    its console sink renders them)."""
+    lines = [*run.stdout.splitlines(), *run.stderr.splitlines()]
+    lines += [events.render_console(e) for e in run.logged]
+    cells = []
+    for row in _table_rows(README, "## What you see", f"examples/{name}"):
+        cells += [row[2]] + ([row[1]] if transformers.__version__ == RECORDED_WITH else [])
+    (docs_row,) = _table_rows(DOCS_EXAMPLES, "| example |", name)
+    cells += docs_row[3:5]
+    for cell in cells:
+        for pieces in quoted(cell):
+            assert printed(pieces, lines), (name, pieces)
+
+
+def how_it_works_says(name: str, run: Run) -> None:
+    """docs/how-it-works.md's table of failures names, in this example's row, each event and
+    reason code the example emitted (its "—" rows are the ones a CPU run shows for real)."""
+    text = (REPO / "docs" / "how-it-works.md").read_text()
+    (row,) = _table_rows(text, "## The failures it fixes", f"examples/{name}")
+    for e in run.caused():
+        assert f"`{e['event']}`" in row[2] and f"`{e['reason_code']}`" in row[2], (row, e)
+
+
+def run_example(name: str, *extra_path: str | Path, quotes: bool = True) -> Run:
     env = subprocess_env(HF_HUB_OFFLINE="1", ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json")
     env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), env["PYTHONPATH"]])
     res = subprocess.run(
@@ -67,16 +131,30 @@ def run_example(name: str, *extra_path: str | Path) -> Run:
                 continue
             if isinstance(record, dict) and record.get("schema") == 1:
                 run.logged.append(record)
-    if run.events is not None:
-        # the stderr stream and the example's own report agree, and the exit summary names them
-        # (its counts include repeats, which are emitted once)
-        assert [e["event"] for e in run.caused()] == run.events
-        summary = [e for e in run.logged if e["event"] == "summary"]
-        if run.events:
-            assert len(summary) == 1
-            assert set(summary[0]["events"]) == set(run.events)
-        else:  # nothing changed: the summary is INFO, kept off stderr by default
-            assert summary == []
+    # every example ends with its EVENTS line (docs/examples.md)
+    assert run.events is not None, res.stdout[-2000:]
+    # the stderr stream and the example's own report agree, and the exit summary names them
+    # (its counts include repeats, which are emitted once)
+    assert [e["event"] for e in run.caused()] == run.events
+    summary = [e for e in run.logged if e["event"] == "summary"]
+    if run.events:
+        assert len(summary) == 1
+        assert set(summary[0]["events"]) == set(run.events)
+    else:  # nothing changed: the summary is INFO, kept off stderr by default
+        assert summary == []
+    # a model on transformers' flash path says what computes its calls
+    if any(e.get("rule") == "flash-on-sdpa" for e in run.logged):
+        assert "its kernel calls computed by attnguard's SDPA twins" in run.stdout
+    # transformers' own "cast back to float32" warning is explained where it appears
+    for note in (
+        "Casting fp32 inputs back to torch.float32",
+        "cast back the input in torch.float32",
+    ):
+        if note in run.stderr:
+            assert "Not from attnguard: transformers logged" in run.stdout
+            assert "the cast changes nothing" in run.stdout
+    if quotes and not torch.cuda.is_available():  # the docs quote a CPU machine's output
+        check_quotes(name, run)
     return run
 
 
@@ -110,7 +188,12 @@ def test_quickstart_falls_back_and_generates() -> None:
     caused = run.caused()
     assert [e["event"] for e in caused] == ["backend_fallback"]
     assert caused[0]["selected"] == "sdpa" and caused[0]["rule"] == "flash-on-sdpa"
-    assert "attention backend 'flash_attention_2'" in run.stdout  # its calls on the SDPA twins
+    # what happens without attnguard, then which kernel computes the flash path's calls
+    assert "without attnguard: ImportError: " in run.stdout
+    assert "attention backend" not in run.stdout
+    said = "attention 'flash_attention_2': transformers' flash code path, its kernel calls "
+    assert said + "computed by attnguard's SDPA twins" in run.stdout
+    assert "Generated tokens: " in run.stdout
 
 
 def test_family_a_runs_on_sdpa_here_and_plans_the_placement_on_a_gpu() -> None:
@@ -182,7 +265,7 @@ def _standin_coexists_with_xformers() -> bool:
 )
 def test_family_d_flash_path_with_the_flash_attn_standin() -> None:
     # stand-in: the real flash-attn cannot be installed on a CPU machine
-    run = run_example("family_d_custom_attention.py", STANDINS)
+    run = run_example("family_d_custom_attention.py", STANDINS, quotes=False)  # quotes: xformers
     flash = [e for e in run.caused() if e["site"] == "flash_attn.flash_attn_func"]
     assert [e["event"] for e in flash] == ["qkv_unified", "backend_rerouted"]
     assert flash[0]["from"] == {"q": "float32", "k": "float32", "v": "bfloat16"}
@@ -204,7 +287,7 @@ def test_family_e_falls_back_here_and_plans_bf16_on_the_gpu_for_an_h100() -> Non
 def test_broken_flash_install_example_without_one_says_how_to_make_one() -> None:
     if _flash_status().reason_code == facts.EXTENSION_BROKEN:
         pytest.skip("this environment itself has a broken flash-attn install")
-    run = run_example("broken_flash_install.py")
+    run = run_example("broken_flash_install.py", quotes=False)  # the quotes are of a broken one
     assert run.events == []
     assert "FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE" in run.stdout
 
@@ -219,6 +302,7 @@ def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
     (fallback,) = run.caused()
     assert fallback["reason_code"] == facts.EXTENSION_BROKEN
     assert "No module named 'flash_attn_2_cuda'" in fallback["reason"]
+    how_it_works_says("broken_flash_install.py", run)
     assert "with 'flash_attention_2'" in run.stdout and "one training step ran" in run.stdout
 
 
@@ -228,5 +312,10 @@ def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
     assert "No operator found for `memory_efficient_attention_forward`" in run.stdout
     assert run.events == ["backend_rerouted"]  # once per call site, then latched
     assert run.caused()[0]["reason_code"] == "cpu_tensors"
+    how_it_works_says("xformers_unusable.py", run)  # it said kernel_error_recovered
+    # what to change, for an xformers call: nothing about flash kernels
+    (summary,) = [e for e in run.logged if e["event"] == "summary"]
+    assert summary["advice"] and all("flash" not in a["hint"] for a in summary["advice"])
+    assert "flash" not in summary["reason"]
     assert set(run.errors) == {"tensor bias", "LowerTriangularMask", "BlockDiagonalMask"}
     close_to_reference(run, 0.005)  # fp16 rounding; a wrong mask costs ~2.7

@@ -172,6 +172,42 @@ def test_guard_model_on_a_model_that_got_flash_past_the_gate(
     assert_one_fallback(captured, "transformers.init", status)
 
 
+def fallbacks_counted() -> int:
+    """How many backend_fallback occurrences the exit summary would report."""
+    return events.summary_fields()["events"].get("backend_fallback", 0)
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("build", ["constructor", "from_pretrained", "from_config"])
+def test_one_model_is_one_fallback_in_the_summary(
+    family: str, build: str, tiny_checkpoint: Any, guard: Any
+) -> None:
+    """A model counts once, however many sub-models its __init__ builds (LlamaModel inside
+    LlamaForCausalLM, the towers of a VLM), and guard_model() on it adds nothing; two models
+    count twice."""
+    flash_status()
+    cls = tiny_model_class(family)
+
+    def build_one() -> Any:
+        if build == "from_pretrained":
+            return auto_class(family).from_pretrained(
+                tiny_checkpoint(family), attn_implementation=FLASH
+            )
+        if build == "from_config":
+            return auto_class(family).from_config(tiny_config(family), attn_implementation=FLASH)
+        cfg = tiny_config(family)
+        cfg._attn_implementation = FLASH
+        return cls(cfg)
+
+    model = build_one()
+    assert fallbacks_counted() == 1
+    attnguard.guard_model(model)
+    assert fallbacks_counted() == 1
+    build_one()
+    assert fallbacks_counted() == 2
+
+
 @pytest.mark.skipif(tf_version < Version("4.54"), reason="set_attn_implementation exists from 4.54")
 @pytest.mark.parametrize("family", ["llama", "qwen2_5_vl"])
 def test_set_attn_implementation_flash_runs_on_sdpa(

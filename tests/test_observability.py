@@ -167,6 +167,13 @@ def _assert_exported(exporter: Any, sent: dict[str, dict[str, Any]], env: dict[s
             assert _plain(attrs[key]) == value, key
         own = set(fields) - {"site", "reason_code", "reason"}
         assert own and own <= set(attrs)
+        # OpenTelemetry's event conventions: a low-cardinality event.name on every record, and
+        # error.type (the exception's type) on attnguard's own errors only
+        assert attrs["event.name"] == f"attnguard.{name}"
+        if name == "internal_error":
+            assert attrs["error.type"] == fields.get("error_type", fields["reason_code"])
+        else:
+            assert "error.type" not in attrs
 
 
 # Where LoggingHandler lives: the SDK (deprecated since 1.40), opentelemetry-instrumentation-logging
@@ -540,3 +547,52 @@ def test_info_events_reach_the_app_once_it_lowers_the_attnguard_level(guard, log
         root.removeHandler(app_handler)
     (rec,) = app_handler.records
     assert rec.levelno == logging.INFO and rec.event == "observed" and rec.applied is False
+
+
+def _shipper(name: str) -> Any:
+    match = re.search(rf"<!-- shipper: {name} -->\s*```yaml\n(.*?)```", DOC.read_text(), re.S)
+    assert match, f"docs/observability.md lost its '{name}' shipper block"
+    return importlib.import_module("yaml").safe_load(match.group(1))
+
+
+def test_shipper_recipes_read_what_attnguard_writes(jsonl_log: Path) -> None:
+    """The Vector, Datadog and Loki sketches of recipe A, fed the lines attnguard really wrote:
+    they watch the files recipe A's ATTNGUARD_LOG writes; Loki's json stage extracts fields
+    every line has, labels only those, and parses `ts` as RFC3339Nano; Datadog's status remapper
+    finds its values in `level`."""
+    _emit_a_run()
+    close_log()
+    lines = [json.loads(line) for line in jsonl_log.read_text().splitlines()]
+    vector, datadog, (loki,) = _shipper("vector"), _shipper("datadog"), _shipper("loki")
+    watched = {
+        vector["sources"]["attnguard_files"]["include"][0],
+        datadog["logs"][0]["path"],
+        loki["static_configs"][0]["labels"]["__path__"],
+    }
+    (pattern,) = watched
+    written = re.search(r"ATTNGUARD_LOG='([^']+)' torchrun", DOC.read_text()).group(1)
+    assert Path(written.format(rank=3)).match(pattern)
+    stages = {k: v for stage in loki["pipeline_stages"] for k, v in stage.items()}
+    extracted = stages["json"]["expressions"]
+    assert set(stages["labels"]) <= set(extracted) and stages["timestamp"]["source"] in extracted
+    rfc3339nano = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,9})?(Z|[+-]\d\d:\d\d)"
+    for line in lines:
+        assert set(extracted.values()) <= set(line), line["event"]
+        assert re.fullmatch(rfc3339nano, line["ts"]), line["ts"]
+        assert line["level"] in ("info", "warning", "error")  # Datadog's status names
+
+
+def test_an_internal_error_record_names_the_exception_type_for_otel(guard, logger_levels) -> None:
+    """attnguard's own failure, reported as it really is: the record's error.type is the
+    exception's fully qualified type, its event.name attnguard.internal_error."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = got.append  # type: ignore[method-assign]
+    logging.getLogger("attnguard").addHandler(handler)
+    try:
+        report_internal_error("flash_attn.flash_attn_func", KeyError("q"))
+    finally:
+        logging.getLogger("attnguard").removeHandler(handler)
+    (record,) = [r for r in got if getattr(r, "event", None) == "internal_error"]
+    assert vars(record)["error.type"] == "builtins.KeyError"
+    assert vars(record)["event.name"] == "attnguard.internal_error"

@@ -12,8 +12,8 @@ tests/workers/ranks_worker.py. The two-GPU versions of these runs are in tests/g
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ import pytest
 from conftest import PY, REPO, subprocess_env
 
 WORKER = REPO / "tests" / "workers" / "ranks_worker.py"
+# DeepSpeed lives outside the environment (scripts/test.sh): only its workers get it on their path
+DEEPSPEED_DIR = os.environ.get("TEST_DEEPSPEED_DIR", "")
 FLASH = "flash_attention_2"
 TIMEOUT_S = 420  # a hang in a collective fails the test here
 
@@ -38,6 +40,8 @@ def launch(
 ) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if mode == "zero3":
+        env["PYTHONPATH"] = os.pathsep.join([DEEPSPEED_DIR, env["PYTHONPATH"]])
     if guarded:
         env.update(ATTNGUARD="1", ATTNGUARD_LOG=str(out / "events-{rank}.jsonl"))
     env.update(env_extra or {})
@@ -123,7 +127,8 @@ def test_ddp_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"
+    not os.path.isdir(os.path.join(DEEPSPEED_DIR, "deepspeed")),
+    reason="TEST_DEEPSPEED_DIR holds no deepspeed (scripts/test.sh installs it there)",
 )
 def test_deepspeed_zero3_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -> None:
     """The real DeepSpeed package, ZeRO-3 through HfDeepSpeedConfig: the parameters are

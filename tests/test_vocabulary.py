@@ -79,6 +79,42 @@ def test_docs_reason_table_matches_the_vocabulary() -> None:
     assert rows == CODES, (sorted(CODES - rows), sorted(rows - CODES))
 
 
+def test_docs_reason_table_says_what_the_vocabulary_says() -> None:
+    """Each row's events, meaning and hint are the vocabulary's words (the hint is what the
+    summary prints), so the table cannot promise another fix than the one attnguard names."""
+    text = (REPO / "docs" / "observability.md").read_text()
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \| (`[a-z_`, ]+`) \| (.+) \| (.+) \|$", text, re.M)
+    assert len(rows) == len(CODES)
+    for code, evts, meaning, hint in rows:
+        reason = reasons.REASONS[code]
+        said = (evts, meaning, hint)
+        assert said == (
+            ", ".join(f"`{e}`" for e in reason.events),
+            reason.meaning,
+            reason.hint or "—",
+        )
+
+
+def test_a_hint_for_flash_and_xformers_calls_names_neither_kernel_alone() -> None:
+    """A reason code that calls into flash-attn and into xformers both produce gets a hint true
+    for both (the summary prints it without the call site): "before calling a flash kernel" was
+    the advice for an xformers call."""
+    import torch
+
+    from attnguard import routing
+
+    cpu_query = torch.zeros(1, 4, 2, 8)
+    by_kind = {
+        kind: routing.reroute_reason(kind, cpu_query, 8, None, {})
+        for kind in (routing.FLASH_KERNEL, routing.XFORMERS)
+    }
+    shared = set(by_kind.values()) - {None}
+    assert shared == {"cpu_tensors"}, by_kind
+    for code in shared:
+        hint = reasons.REASONS[code].hint.lower()
+        assert ("flash" in hint) == ("xformers" in hint), (code, hint)
+
+
 def test_the_docs_paths_exist() -> None:
     for doc in DOCS:
         text = doc.read_text()

@@ -56,6 +56,7 @@ def test_family_a_loads_the_flash_model_straight_onto_the_gpu(flash_on_path: str
     assert "without attnguard: " in run.stdout and "ran without an error" not in run.stdout
     if flash_on_path == "real":
         assert "backend_fallback" not in run.events  # the real kernel runs
+        assert "transformers' flash code path on the flash-attn kernel" in run.stdout
     else:
         (fallback,) = _fallbacks(run.caused())
         assert fallback["reason_code"] == "package_missing"
@@ -77,9 +78,11 @@ def test_family_e_casts_the_fp32_model_to_bf16_and_places_it(flash_on_path: str)
     assert "without attnguard: " in run.stdout and "ran without an error" not in run.stdout
     if flash_on_path == "real":
         assert "backend_fallback" not in run.events
+        assert "transformers' flash code path on the flash-attn kernel" in run.stdout
     else:
         (fallback,) = _fallbacks(run.caused())
         assert fallback["reason_code"] == "package_missing"
+        assert "its kernel calls computed by attnguard's SDPA twins" in run.stdout
 
 
 @pytest.mark.multigpu
@@ -112,6 +115,9 @@ def test_family_c_under_torchrun_each_rank_loads_its_own_replica(
         rewritten = [e for e in caused if e["event"] == "device_map_rewritten"]
         assert len(rewritten) == 1, lines
         assert rewritten[0]["after"]["device_map"] == {"": f"cuda:{rank}"}
+        # the words README's "What you see" quotes (from the CPU run's plan)
+        said = f"this rank loads it on cuda:{rank}; attnguard: load with device_map="
+        assert rewritten[0]["reason"].endswith(said + repr({"": f"cuda:{rank}"}))
         fallbacks = _fallbacks(caused)
         if flash_on_path == "real":
             assert fallbacks == []

@@ -1,0 +1,74 @@
+"""What attnguard supports and what it is tested with: the one table.
+
+README "Compatibility" says this table in words, and ``tests/test_package.py`` checks it against
+the README, ``pyproject.toml`` (requires-python, Python classifiers, dependency floors, the
+``flash`` / ``xformers`` extras), ``scripts/test.sh`` and ``.ci/run`` (the versions they install).
+The windows inside which an integration patches its library are not repeated here: they are
+:data:`attnguard.patches.SUPPORTED`, read from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .patches import SUPPORTED, spelled
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # as on PyPI ("python" for the interpreter)
+    supported: str  # the version specifier attnguard declares
+    tested: tuple[str, ...]  # exact versions a test run used
+    how: str  # what ran on those versions
+
+
+def window(integration: str) -> str:
+    """An integration's window as a specifier: ``">=2.6,<3"``."""
+    _, low, high = SUPPORTED[integration]
+    return f">={spelled(low)},<{spelled(high)}"
+
+
+# transformers releases CI runs (.ci/run): the full suite, the smoke suite, the version gate
+TRANSFORMERS_FULL = ("4.49.0", "4.57.6", "5.23.0")
+TRANSFORMERS_SMOKE = (
+    *("4.50.3", "4.51.3", "4.52.4", "4.53.3", "4.54.1", "4.55.4", "4.56.2"),
+    *("5.0.0", "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0"),
+    *("5.10.4", "5.11.0", "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.17.0", "5.18.0"),
+    *("5.19.0", "5.20.2", "5.21.1", "5.22.2"),
+)
+TRANSFORMERS_BELOW = "4.45.2"  # below the window: CI checks that it is not patched
+TRANSFORMERS_GPU = "5.17.0"  # the GPU suite (scripts/gpu_suite.sh, docs/gpu-results.md)
+
+DEEPSPEED = "0.19.8"  # tests/test_ranks.py's ZeRO-3 run (observed, never patched)
+
+TORCH_CI = "2.13.0"  # CPU build, pinned by scripts/test.sh
+TORCH_GPU = "2.11.0"  # +cu130, the GPU image
+
+MATRIX: tuple[Component, ...] = (
+    Component("python", ">=3.10", ("3.11", "3.12"), "CI on 3.11 (CPU); the GPU suite on 3.12"),
+    Component(
+        "torch", ">=2.4", (TORCH_CI, TORCH_GPU), "CI on 2.13.0 (CPU); the GPU suite on 2.11.0"
+    ),
+    Component(
+        "transformers",
+        window("transformers"),
+        (*TRANSFORMERS_FULL, *TRANSFORMERS_SMOKE),
+        "CI: the full suite on 4.49.0, 4.57.6, 5.23.0 and the smoke suite on the newest patch "
+        "of every other minor; the GPU suite on 5.17.0",
+    ),
+    Component(
+        "flash-attn",
+        window("flash_attn"),
+        ("2.8.3",),
+        "CI: 2.8.3 built without its CUDA extension (the broken-install case); the GPU suite: the "
+        "real 2.8.3 (sm90 build)",
+    ),
+    Component(
+        "xformers",
+        window("xformers"),
+        ("0.0.35",),
+        "CI: the PyPI wheel, whose ops do not run on a CPU (the unusable case)",
+    ),
+)
+
+COMPONENTS: dict[str, Component] = {c.name: c for c in MATRIX}
