@@ -3,13 +3,14 @@
 The broken build is the real flash-attn 2.8.3 built without its CUDA extension
 ($TEST_BROKEN_FLASH_ATTN_DIR, made by scripts/test.sh): metadata present, ``import flash_attn``
 raising ``No module named 'flash_attn_2_cuda'`` as an "undefined symbol" build does. transformers
-4.49-4.54 import flash-attn at module import wherever their metadata-only availability check says
+4.49-4.57 import flash-attn at module import wherever their metadata-only availability check says
 yes, which on a CPU machine it never does: the programs here make their process look like a CUDA
 machine to that check (tests/workers/broken_flash_worker.py ``--standin-cuda``). transformers 5.x
 imports a flash_attn that has no metadata (a source tree on PYTHONPATH) on any machine.
 
 Each program is a fresh interpreter (tests/workers/broken_flash_worker.py) loading the seeded
-Llama, Qwen2, Mistral and Gemma 2 checkpoints with sdpa, eager and flash_attention_2. What a user
+Llama, Qwen2, Mistral, Gemma 2 and ModernBERT checkpoints with sdpa, eager and flash_attention_2.
+What a user
 must get: guarded, everything exactly as with flash-attn not installed (same outcome, same
 logits, same events but one ``observed`` naming the broken package); unguarded, what they get
 today; no flash-attn import that transformers would not make; the program's own ``import
@@ -188,7 +189,7 @@ def test_every_model_imports_and_loads_next_to_a_broken_flash_attn(
     request: pytest.FixtureRequest, kind: str
 ) -> None:
     if kind != RELEASE_KIND:
-        pytest.skip(f"transformers {'.'.join(map(str, _minor()))} is a {RELEASE_KIND} release")
+        pytest.skip(f"transformers {'.'.join(map(str, MINOR))} is a {RELEASE_KIND} release")
     program = request.getfixturevalue("program")
     plain, guarded, absent, absent_plain = _both(
         lambda: program("broken", guarded=False),
@@ -284,7 +285,7 @@ def assert_nothing_changes_where_nothing_is_broken(program: Any) -> None:
         assert "flash_attn.layers" in event["error"]
 
 
-@pytest.mark.skipif(_minor() < (5, 0), reason="transformers 5.x imports a package without metadata")
+@pytest.mark.skipif(MINOR < (5, 0), reason="transformers 5.x imports a package without metadata")
 def test_a_flash_attn_source_tree_without_metadata(program: Any) -> None:
     """A flash_attn directory on PYTHONPATH (a source build, no dist-info): transformers 5.x
     imports it to read its version and fails every model import; guarded, it runs as if
@@ -461,7 +462,7 @@ def test_a_package_without_metadata_is_not_available_instead_of_an_error(
     shutil.copytree(Path(BROKEN or "") / "flash_attn", tmp_path / "flash_attn")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        if _minor() < (5, 0):  # 4.x reads metadata only: no metadata, not available
+        if MINOR < (5, 0):  # 4.x reads metadata only: no metadata, not available
             assert iu._is_package_available("flash_attn", return_version=True) == (False, "N/A")
             assert not hasattr(iu._is_package_available, "__attnguard_original__")
             return
