@@ -44,7 +44,7 @@ _TABLE: tuple[Reason, ...] = (
     Reason(
         "extension_broken",
         _FALLBACK,
-        "flash-attn is installed but its CUDA extension fails to import",
+        "flash-attn is installed (or on the path without metadata) but fails to import",
         "flash-attn's CUDA extension does not import (built for another torch?): reinstall it "
         f"against this torch, or {_SDPA}",
     ),

@@ -19,8 +19,8 @@ from .config import Settings, load
 _lock = threading.RLock()
 _settings = Settings(enabled=False)
 _active = False
-_hooks_registered: set[str] = set()
-_patched: set[str] = set()
+_hooks_registered: set[tuple[str, str]] = set()  # (integration, patch module)
+_patched: dict[tuple[str, str], None] = {}  # (integration, patch module), in patch order
 _refused: set[str] = set()  # integrations not patched for their version (reported once)
 _overrides: dict[str, Any] = {}
 
@@ -40,17 +40,14 @@ def is_active() -> bool:
     return _active
 
 
-def _patch_module(name: str) -> Any:
-    from .patches import INTEGRATIONS
-
-    return importlib.import_module(INTEGRATIONS[name][0])
-
-
 def integrations() -> dict[str, Any]:
-    """integration name -> its patch module (importing these imports torch)."""
+    """patch module name -> the module, for every part of every integration (importing these
+    imports torch)."""
     from .patches import INTEGRATIONS
 
-    return {name: _patch_module(name) for name in INTEGRATIONS}
+    return {
+        part: importlib.import_module(part) for parts in INTEGRATIONS.values() for part, _ in parts
+    }
 
 
 def imported_version(module: str, dist: str) -> str | None:
@@ -72,7 +69,8 @@ def _version_refused(name: str) -> bool:
     the versions the integration declares."""
     from .patches import INTEGRATIONS, SUPPORTED, unsupported
 
-    version = imported_version(INTEGRATIONS[name][1].partition(".")[0], SUPPORTED[name][0])
+    package = INTEGRATIONS[name][0][1].partition(".")[0]  # every part patches one library
+    version = imported_version(package, SUPPORTED[name][0])
     why = unsupported(name, version)
     if why is None:
         return False
@@ -88,17 +86,17 @@ def _version_refused(name: str) -> bool:
     return True
 
 
-def _on_import(name: str, module: Any) -> None:
-    """Post-import hook body: patch ``name`` if we are active, it is allowed and its version is
-    one the integration supports. Never raises."""
+def _on_import(name: str, part: str, module: Any) -> None:
+    """Post-import hook body: patch this part of integration ``name`` if we are active, it is
+    allowed and its library's version is one the integration supports. Never raises."""
     with _lock:
-        if not _active or not _settings.allows(name) or name in _patched:
+        if not _active or not _settings.allows(name) or (name, part) in _patched:
             return
         try:
             if _version_refused(name):
                 return
-            _patch_module(name).patch(module)
-            _patched.add(name)
+            importlib.import_module(part).patch(module)
+            _patched[(name, part)] = None
         except Exception as exc:
             from .patching import report_internal_error
 
@@ -110,14 +108,17 @@ def _register_hooks() -> None:
 
     from .patches import INTEGRATIONS
 
-    for name, (_, target) in INTEGRATIONS.items():
-        if name in _hooks_registered:
-            if target in sys.modules:  # hooks already fired once; re-patch what is there now
-                _on_import(name, sys.modules[target])
-            continue
-        _hooks_registered.add(name)
-        # Fires immediately when the module is already imported.
-        wrapt.register_post_import_hook(lambda mod, _n=name: _on_import(_n, mod), target)
+    for name, parts in INTEGRATIONS.items():
+        for part, target in parts:
+            if (name, part) in _hooks_registered:
+                if target in sys.modules:  # hooks already fired once; re-patch what is there
+                    _on_import(name, part, sys.modules[target])
+                continue
+            _hooks_registered.add((name, part))
+            # Fires immediately when the module is already imported.
+            wrapt.register_post_import_hook(
+                lambda mod, _n=name, _p=part: _on_import(_n, _p, mod), target
+            )
 
 
 def versions() -> dict[str, str | None]:
@@ -160,14 +161,14 @@ def _first_event() -> bool:
     return announce_first_event()
 
 
-def _unpatch(name: str) -> None:
+def _unpatch(name: str, part: str) -> None:
     try:
-        _patch_module(name).unpatch()
+        importlib.import_module(part).unpatch()
     except Exception as exc:
         from .patching import report_internal_error
 
         report_internal_error(f"{name}.unpatch", exc)
-    _patched.discard(name)
+    _patched.pop((name, part), None)
 
 
 def activate(**overrides: Any) -> Settings:
@@ -199,9 +200,9 @@ def activate(**overrides: Any) -> Settings:
         # raises here, before anything changed.
         events.configure_sinks(new, eager=not helper)
         events.set_helper(helper)
-        for name in list(_patched):
+        for name, part in reversed(list(_patched)):
             if not new.allows(name):
-                _unpatch(name)
+                _unpatch(name, part)
         _overrides = dict(overrides)
         _settings = new
         _active = True
@@ -223,8 +224,8 @@ def deactivate() -> None:
     """Undo every patch (originals restored by identity); hooks stay registered but inert."""
     global _active, _settings
     with _lock:
-        for name in list(_patched):
-            _unpatch(name)
+        for name, part in reversed(list(_patched)):
+            _unpatch(name, part)
         _refused.clear()
         _active = False
         _settings = Settings(enabled=False, mode=_settings.mode)
@@ -238,4 +239,10 @@ def configure(**changes: Any) -> Settings:
 
 
 def patched_integrations() -> frozenset[str]:
+    """The integrations with at least one part patched."""
+    return frozenset(name for name, _ in _patched)
+
+
+def patched_parts() -> frozenset[tuple[str, str]]:
+    """(integration, patch module) of every part patched: each part patches on its own."""
     return frozenset(_patched)

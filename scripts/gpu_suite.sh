@@ -10,6 +10,9 @@
 #   (../shared/wheels), unpacked to /tmp/flashsite; TEST_REAL_FLASH_ATTN_DIR points there. Nothing
 #   else puts it on a path: each test that needs it adds it to its own children or sys.path
 #   (tests/gpu/gpuenv.py), and "flash-attn absent" runs in processes without it.
+# .whl-tf/gpu-wheels.tar.xz (scripts/fetch_gpu_wheels.sh, 6.8 MB; carry ".whl-tf" too when it
+#   fits): transformers 4.49.0 / 4.53.3 / 4.54.1 for tests/gpu/test_broken_flash_gpu.py, which
+#   installs them itself and skips with the reason without them.
 # .whl/: structlog and the PyPI xformers 0.0.35 wheel (its CUDA ops do not load next to torch
 #   2.11: the real "xformers unusable" case), installed to /tmp/site.
 # attnguard's start-up hook (hook/attnguard.pth, hook/_attnguard_hook.py) is copied into

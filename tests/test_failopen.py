@@ -526,7 +526,7 @@ if sys.argv[1] == "emit-fails":
     events.emit = broken_emit
 import transformers.modeling_utils  # the integration's import hook fires here
 from attnguard import runtime
-print("imported", sorted(runtime.patched_integrations()))
+print("imported", sorted(part for _, part in runtime.patched_parts()))
 """
 
 
@@ -534,7 +534,8 @@ print("imported", sorted(runtime.patched_integrations()))
 def test_a_failing_patch_never_breaks_the_users_import(how: str) -> None:
     res = run_py(PATCH_FAILS, how, env=env_for(ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json"))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout == "imported []\n"
+    # the failing part is not patched; the other part of the integration patches on its own
+    assert res.stdout == "imported ['attnguard.patches.transformers_availability']\n"
     errors = [
         json.loads(line)
         for line in res.stderr.splitlines()

@@ -2,6 +2,10 @@
 
 Each patch module is imported only when its library is imported (a post-import hook on the
 target module below), so activating attnguard imports neither torch nor any patched library.
+An integration may have several parts, each a patch module with its own trigger: transformers'
+availability checks are patched as soon as ``transformers.utils.import_utils`` exists, before
+``transformers.utils`` binds their names and long before ``transformers.modeling_utils`` (whose
+import runs those checks on 4.49-4.54) triggers the rest.
 
 Each integration declares once the versions of its library it supports (the ones CI tests, see
 README "Compatibility"); outside them it does not patch and one ``observed`` event
@@ -12,11 +16,15 @@ from __future__ import annotations
 
 import re
 
-# integration name (as in ATTNGUARD_DISABLE) -> (patch module, import that triggers its patch)
-INTEGRATIONS = {
-    "transformers": ("attnguard.patches.transformers", "transformers.modeling_utils"),
-    "flash_attn": ("attnguard.patches.flash_attn", "flash_attn"),
-    "xformers": ("attnguard.patches.xformers", "xformers.ops"),
+# integration name (as in ATTNGUARD_DISABLE) -> its parts, in patch order:
+# (patch module, import that triggers its patch)
+INTEGRATIONS: dict[str, tuple[tuple[str, str], ...]] = {
+    "transformers": (
+        ("attnguard.patches.transformers_availability", "transformers.utils.import_utils"),
+        ("attnguard.patches.transformers", "transformers.modeling_utils"),
+    ),
+    "flash_attn": (("attnguard.patches.flash_attn", "flash_attn"),),
+    "xformers": (("attnguard.patches.xformers", "xformers.ops"),),
 }
 
 # integration name -> (distribution, lowest supported version, first unsupported version)
@@ -32,6 +40,17 @@ def release(version: str) -> tuple[int, ...]:
     -> (2, 8, 3). A pre-release counts as its release (6.0.0rc1 is 6.0: unsupported)."""
     match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
     return tuple(int(p) for p in match.group(1).split(".")) if match else ()
+
+
+def minor_release(dist: str) -> tuple[int, int] | None:
+    """(major, minor) of an installed distribution, from its metadata; None when unknown."""
+    from importlib import metadata
+
+    try:
+        numbers = release(metadata.version(dist))
+    except metadata.PackageNotFoundError:
+        return None
+    return (numbers + (0,))[:2] if numbers else None
 
 
 def spelled(numbers: tuple[int, ...]) -> str:

@@ -1,9 +1,10 @@
 """transformers integration: model loading (load-time guard), the attention registry (per call) and
 the flash code path's kernels (the SDPA twins where flash-attn's kernel cannot run).
 
-Three halves, each with its own ledger, patched together when ``transformers.modeling_utils`` is
+Three parts, each with its own ledger, patched together when ``transformers.modeling_utils`` is
 imported: :mod:`.transformers_loading`, :mod:`.transformers_attention` and
-:mod:`.transformers_kernels`.
+:mod:`.transformers_kernels`. The integration's fourth part, :mod:`.transformers_availability`,
+is patched earlier, as soon as ``transformers.utils.import_utils`` exists (``patches.INTEGRATIONS``).
 """
 
 from __future__ import annotations

@@ -23,9 +23,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
-
 from ..patching import Ledger
+from . import minor_release
 
 MODULE = "transformers.modeling_flash_attention_utils"
 SITE = "transformers.flash_kernels"
@@ -56,13 +55,7 @@ ledger = Ledger("transformers_kernels")
 
 
 def _minor() -> tuple[int, int] | None:
-    from importlib import metadata
-
-    try:
-        version = Version(metadata.version("transformers"))
-    except (metadata.PackageNotFoundError, InvalidVersion):
-        return None
-    return version.major, version.minor
+    return minor_release("transformers")
 
 
 def _layout_found(module: ModuleType, layout: str) -> bool:
