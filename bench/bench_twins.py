@@ -24,7 +24,7 @@ the real flash-attn 2.8.3 importable, the kernel and the twin on the same inputs
 Ratio = real kernel time / twin time (>= 1: the twin is at least as fast), median over rounds of
 the per-round ratio [min, max]. Device and torch version are printed first.
 
-    python bench/bench_twins.py [--parts varlen,decode_call,train,generate,decode_model] [--rounds 5]
+    python bench/bench_twins.py [--parts varlen,decode_call,train,generate,decode_model] [--rounds 5] [--iters 10]
     python bench/bench_twins.py --parts cpu
 """
 
@@ -522,7 +522,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(GPU_PARTS))
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     import platform

@@ -20,7 +20,8 @@
 #   from PYTHONPATH. Removed again at exit.
 #
 # Parts (SUITE_PARTS, default "tests multigpu bench"):
-#   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0)
+#   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0;
+#             SUITE_TEST_FILES names fewer files)
 #   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py in one pytest process;
 #             test_multigpu_gpu.py, test_examples_gpu.py and test_call_gpu.py in another
 #   bench     SUITE_BENCHES (default "bench_twins bench_kernel"; bench_fallback too when named)
@@ -191,7 +192,7 @@ if [[ $parts == *" tests "* || $parts == *" multigpu "* ]] && [ "$limit" -lt 60 
 fi
 if [[ $parts == *" tests "* ]]; then
   say "tests: one pytest process per file on GPU 0, limit ${limit}s each"
-  for f in tests/gpu/test_*.py; do
+  for f in ${SUITE_TEST_FILES:-tests/gpu/test_*.py}; do
     case "$f" in
       tests/gpu/test_multigpu_gpu.py | tests/gpu/test_ranks_gpu.py) continue ;; # multigpu only
     esac
