@@ -243,8 +243,8 @@ class PrivateDir:
     def __exit__(self, *_exc: object) -> None:
         self.close()
 
-    def write(self, name: str, data: bytes) -> None:
-        """Atomically make ``name`` hold ``data`` (``0600``, via a fresh temporary file)."""
+    def _fresh(self, name: str, data: bytes) -> str:
+        """A new ``0600`` temporary file beside ``name`` holding ``data``; returns its name."""
         tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
@@ -257,20 +257,17 @@ class PrivateDir:
             self.remove(tmp)
             raise
         os.close(fd)
+        return tmp
+
+    def write(self, name: str, data: bytes) -> None:
+        """Atomically make ``name`` hold ``data`` (``0600``, via a fresh temporary file)."""
+        tmp = self._fresh(name, data)
         os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
     def write_first(self, name: str, data: bytes) -> bool:
         """Make ``name`` hold ``data`` unless it exists: the first writer wins (a hard link of
         a fresh ``0600`` temporary file, atomic). True when this call wrote it."""
-        tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        tmp = self._fresh(name, data)
         try:
             os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
             return True

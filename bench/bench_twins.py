@@ -43,8 +43,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("ATTNGUARD_LOG", "none")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench_fallback import qwen2_05b  # noqa: E402  (the Qwen2-0.5B shape every bench uses)
 
 GPU_PARTS = ("varlen", "decode_call", "train", "generate", "decode_model")
 
@@ -261,23 +264,6 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
     finally:
         routing.flash_kernel_unusable = saved
         attnguard.deactivate()
-
-
-def qwen2_05b(layers: int = 24) -> Any:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
 
 
 def flash_model(layers: int = 24) -> Any:

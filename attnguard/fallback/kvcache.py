@@ -38,6 +38,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tens
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
+def rotate_at(x: Tensor, pos: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x (B, S, H, D) rotated at positions ``pos`` (B, S) of the rotary tables (clamped to them,
+    as the kernel reads them)."""
+    pos = pos.clamp(0, cos.shape[0] - 1).to(cos.device)
+    return apply_rotary(x, cos[pos].to(x.device), sin[pos].to(x.device), interleaved)
+
+
 def _check_kvcache_args(
     q: Tensor,
     k_cache: Tensor,
@@ -238,13 +245,10 @@ def flash_attn_with_kvcache(
         return table.gather(1, torch.div(pos, page, rounding_mode="floor")), pos % page
 
     rotary = rotary_cos is not None and rotary_sin is not None
-    last_ro = rotary_cos.shape[0] - 1 if rotary_cos is not None else 0
 
     def rotate(x: Tensor, pos: Tensor) -> Tensor:
         assert rotary_cos is not None and rotary_sin is not None
-        pos = pos.clamp(0, last_ro).to(rotary_cos.device)
-        cos, sin = rotary_cos[pos].to(x.device), rotary_sin[pos].to(x.device)
-        return apply_rotary(x, cos, sin, rotary_interleaved)
+        return rotate_at(x, pos, rotary_cos, rotary_sin, rotary_interleaved)
 
     seqlen_new = 0
     if k is not None and v is not None:
@@ -350,8 +354,7 @@ def _on_torch_flash(
 
     def rotate(x: Tensor, pos: Tensor) -> Tensor:
         assert rotary_cos is not None and rotary_sin is not None
-        pos = pos.clamp(0, rotary_cos.shape[0] - 1).to(rotary_cos.device)
-        return apply_rotary(x, rotary_cos[pos].to(dev), rotary_sin[pos].to(dev), rotary_interleaved)
+        return rotate_at(x, pos, rotary_cos, rotary_sin, rotary_interleaved)
 
     def at(offsets: Tensor) -> Tensor:  # (b, n) -> positions after each row's cached tokens
         return offsets + (seqlens.view(b, 1) if isinstance(seqlens, Tensor) else int(seqlens or 0))

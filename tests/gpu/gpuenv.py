@@ -16,10 +16,12 @@ Not a test module (no ``test_`` prefix): imported by the tests of this directory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,19 @@ def hook_installed() -> bool:
     env = child_env(real=False, ATTNGUARD="1", ATTNGUARD_LOG="none")
     res = subprocess.run([PY, "-c", probe_code], env=env, capture_output=True, text=True)
     return res.stdout.strip() == "True"
+
+
+@contextlib.contextmanager
+def workers_with_real_flash() -> Iterator[None]:
+    """For tests that launch torchrun workers with ATTNGUARD=1: the real flash-attn first on the
+    workers' PYTHONPATH (tests/test_ranks.launch builds the child's path from this process's),
+    and attnguard's start-up hook installed so that ATTNGUARD=1 reaches them; skips otherwise."""
+    require()
+    if not hook_installed():
+        pytest.skip("attnguard's start-up hook is not installed (scripts/gpu_suite.sh copies it)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", child_env(real=True)["PYTHONPATH"])
+        yield
 
 
 def results_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

@@ -44,11 +44,7 @@ BROKEN = (
 
 @pytest.fixture(scope="module", autouse=True)
 def real_flash_for_the_workers() -> Iterator[None]:
-    gpuenv.require()
-    if not gpuenv.hook_installed():
-        pytest.skip("attnguard's start-up hook is not installed (scripts/gpu_suite.sh copies it)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", gpuenv.child_env(real=True)["PYTHONPATH"])
+    with gpuenv.workers_with_real_flash():
         yield
 
 

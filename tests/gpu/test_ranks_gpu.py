@@ -29,13 +29,7 @@ import gpuenv  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def real_flash_for_the_workers() -> Iterator[None]:
-    """The workers get the real flash-attn first on their PYTHONPATH (test_ranks.launch builds
-    the child's path from this process's) and ATTNGUARD=1 must reach them through the hook."""
-    gpuenv.require()
-    if not gpuenv.hook_installed():
-        pytest.skip("attnguard's start-up hook is not installed (scripts/gpu_suite.sh copies it)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", gpuenv.child_env(real=True)["PYTHONPATH"])
+    with gpuenv.workers_with_real_flash():
         yield
 
 
