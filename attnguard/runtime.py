@@ -207,6 +207,10 @@ def activate(**overrides: Any) -> Settings:
         _settings = new
         _active = True
         events.register_exit_summary(_exit_summary, _first_event)
+        if not helper and events.launch_context()["world_size"] > 1:
+            from .summary import announce_alive
+
+            announce_alive()  # rank 0 waits at exit for a rank that still runs
         if not helper and events.announce(new):
             events.emit(
                 "activated",

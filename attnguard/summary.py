@@ -18,9 +18,13 @@ At exit (``events._at_exit`` calls :func:`emit_exit_summary`, registered by acti
 
 How long rank 0 waits: a rank announces that it will have something to report when it first
 records an event (:func:`announce_first_event`: a marker in the rendezvous directory and, once a
-process group is up, a store key). At exit rank 0 takes every record already there and waits,
-at most :data:`GATHER_TIMEOUT_S`, only for the ranks that announced: when nothing happened
-anywhere it does not wait at all. Ranks with no record that announced nothing are named as such.
+process group is up, a store key), and, when it activates under a launcher, that it is alive
+(:func:`announce_alive`: its host and pid, removed at its exit when it has nothing to report).
+At exit rank 0 takes every record already there and waits, at most :data:`GATHER_TIMEOUT_S`,
+only for ranks that announced events, or that still run on this host and have not finished (a
+rank slower to start than rank 0 is to finish may yet have events; one that ended without its
+exit handlers, ``os._exit``, is seen gone): when nothing happened anywhere and no rank is still
+running, it does not wait at all. Ranks with no record that announced nothing are named as such.
 
 Why not ``all_gather_object``: a collective at exit hangs for the process group's timeout (10-30
 minutes) as soon as one rank does not reach it (a rank that crashed, runs without attnguard, or
@@ -35,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -330,6 +335,51 @@ def announce_first_event() -> bool:
         return True
 
 
+def _alive_name(rank: int) -> str:
+    return f"alive-{rank}"
+
+
+def announce_alive() -> None:
+    """Called when a rank other than 0 activates under a launcher: its host and pid in the
+    rendezvous directory, so that rank 0 waits for it while it runs. Never raises."""
+    try:
+        ctx = events.launch_context()
+        if events.is_helper() or ctx["world_size"] <= 1 or ctx["rank"] == 0:
+            return
+        with open_job_dir() as d:
+            d.write(_alive_name(ctx["rank"]), f"{socket.gethostname()} {os.getpid()}".encode())
+    except Exception:
+        pass
+
+
+def _retire_alive(rank: int, directory: safefiles.PrivateDir | None) -> None:
+    """At a rank's exit: it no longer runs, whatever it reports."""
+    try:
+        if directory is not None:
+            directory.remove(_alive_name(rank))
+        else:
+            with open_job_dir() as d:
+                d.remove(_alive_name(rank))
+    except Exception:
+        pass
+
+
+def _runs_here(pid: int) -> bool:
+    """Process ``pid`` of this host exists and has not ended (a zombie waiting for its parent to
+    reap it has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, another user's
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 def _after_fork_in_child() -> None:
     _announced.update(files=False, store=False)
 
@@ -392,6 +442,18 @@ class _Channels:
             return None
         return data
 
+    def alive(self, rank: int) -> bool:
+        """The rank announced it runs on this host, and its process still does."""
+        try:
+            data = self._file(_alive_name(rank))
+        except OSError:
+            return False
+        try:
+            host, pid = (data or b"").decode("ascii").split()
+            return host == socket.gethostname() and _runs_here(int(pid))
+        except (ValueError, UnicodeDecodeError):
+            return False
+
     def announced(self, rank: int) -> bool:
         if self._store_get(f"{_STORE_PREFIX}announce/{rank}") is not None:
             return True
@@ -419,7 +481,8 @@ class _Channels:
     def clean_up(self, reported: list[int]) -> None:
         """Remove what was read, and the announcements of ranks whose report was taken."""
         if self.dir is not None:
-            for name in self.seen_files + [f"announce-{r}" for r in reported]:
+            taken = [n for r in reported for n in (f"announce-{r}", _alive_name(r))]
+            for name in self.seen_files + taken:
                 self.dir.remove(name)
             self.dir.remove_dir()
 
@@ -431,6 +494,7 @@ def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) 
     pending = set(range(1, world))
     waited: set[int] = set()
     while True:
+        wanted: set[int] = set()  # ranks worth waiting for now
         for r in sorted(pending):
             data, untrusted = channels.record(r)
             if untrusted is not None:
@@ -438,15 +502,18 @@ def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) 
                 pending.discard(r)
                 continue
             if data is None:
-                if r not in waited and channels.announced(r):
+                if channels.announced(r):
+                    wanted.add(r)
                     waited.add(r)
+                elif channels.alive(r):
+                    wanted.add(r)  # still running: it may yet have events
                 continue
             pending.discard(r)
             try:
                 got.records[r] = _parse_record(data, r)
             except Malformed as exc:
                 got.ignored.append(f"rank {r}: {exc}")
-        if not (pending & waited) or time.monotonic() >= deadline:
+        if not wanted or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
     got.waited_for = sorted(waited)
@@ -473,12 +540,14 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
             store = _store()
             if rank != 0:
                 store.set(f"{_STORE_PREFIX}rank/{rank}", _record(rank))
+                _retire_alive(rank, None)
                 return  # posted: rank 0 tells the story once
         except Exception as exc:
             why = f"no job-wide summary: the process group's store failed ({type(exc).__name__})"
             _emit_local(note=why, console=rank == 0)
             return
     if rank != 0 and store is None and not _has_events():
+        _retire_alive(rank, None)
         return  # nothing to report, and rank 0 does not wait for it: no file left behind
     directory = None
     try:
@@ -490,6 +559,7 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
     if rank != 0 and directory is not None:
         try:
             directory.write(f"rank-{rank}.json", _record(rank))
+            _retire_alive(rank, directory)
         except OSError as exc:
             why = f"cannot write to {directory.path}: {exc.strerror or exc}"
             _emit_local(note=f"no job-wide summary: {why}", console=False)

@@ -60,3 +60,41 @@ def test_nothing_to_report_means_no_wait(tiny_checkpoint: Any, tmp_path: Path) -
     assert job["ranks"] == [0] and job["silent_ranks"] == [1]
     assert "no report from rank(s) 1 by rank 0's exit; they announced no event" in job["reason"]
     assert job["applied"] == 0 and job["level"] == "info"
+
+
+SLOW_RANK = """
+import os, sys, time
+import torch, transformers
+
+if os.environ["RANK"] == "1":
+    time.sleep(float(sys.argv[2]))  # starts late: rank 0 is done before rank 1's first event
+transformers.AutoModelForCausalLM.from_pretrained(
+    sys.argv[1], attn_implementation="flash_attention_2"
+)
+print("rank done", flush=True)
+"""
+
+
+def test_a_rank_still_running_is_waited_for(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """No process group, rank 1 much slower than rank 0: it has not announced an event when
+    rank 0 exits, but it still runs (it said so at activation), so rank 0 waits for it and the
+    job summary counts both ranks (a slow start made rank 1 vanish from the summary before)."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_RANK)
+    env = subprocess_env(
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        ATTNGUARD="1",
+        ATTNGUARD_LOG=str(tmp_path / "events-{rank}.jsonl"),
+    )
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    checkpoint = tiny_checkpoint("llama")
+    res = subprocess.run(
+        [*cmd, str(checkpoint), "6"], env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = (tmp_path / "events-0.jsonl").read_text().splitlines()
+    (job,) = [r for r in map(json.loads, lines) if r["event"] == "summary"]
+    assert job["site"] == "job" and job["gathered_by"] == "files"
+    assert job["ranks"] == [0, 1] and job["missing_ranks"] == [], job["reason"]
+    assert job["applied"] == 2  # one backend_fallback on each rank
