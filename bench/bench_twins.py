@@ -479,6 +479,7 @@ def part_cpu(args: argparse.Namespace) -> list[str]:
             "position_ids": torch.cat([torch.arange(n) for n in lens]).unsqueeze(0),
         }
         cases = {
+            "batch 2 x 256, forward": ({"input_ids": ids}, False),
             "padded batch 2 x 256, forward": ({"input_ids": ids, "attention_mask": mask}, False),
             "padded batch 2 x 256, forward+backward": (
                 {"input_ids": ids, "attention_mask": mask},
