@@ -1,9 +1,10 @@
 """verl's FSDP2 actor on packed rows (use_remove_padding) with flash-attn broken: the rescued job
 trains like the job with the real kernel.
 
-torchrun with one rank per GPU (two on a 2-GPU machine; on one GPU a world of one, which still
-runs FSDP2, the load under ``torch.device("cpu")`` and the packed-row flash path), three runs of
-the same program (tests/workers/ranks_worker.py ``verl_fsdp2 ... packed``):
+torchrun x2: one rank per GPU on a 2-GPU machine (nccl); on one GPU both ranks share it
+(``RANKS_SHARE_GPU=1``: cuda:0 and gloo, so FSDP2's collectives go through the host and the step
+times say less). Three runs of the same program (tests/workers/ranks_worker.py
+``verl_fsdp2 ... packed``):
 
 * unguarded, the real flash-attn 2.8.3: the reference;
 * guarded, the real flash-attn: nothing to remedy, bit-equal losses;
@@ -35,7 +36,8 @@ if not torch.cuda.is_available():
 
 import gpuenv  # noqa: E402
 
-NPROC = min(2, torch.cuda.device_count())
+NPROC = 2
+SHARE = {"RANKS_SHARE_GPU": "1"} if torch.cuda.device_count() < 2 else {}
 BROKEN = (
     "raise ImportError('flash_attn_2_cuda.cpython-312-x86_64-linux-gnu.so: undefined symbol: "
     "_ZN3c104cuda9SetDeviceEi (a build for another torch)')\n"
@@ -53,14 +55,18 @@ def test_packed_rows_with_flash_attn_broken_train_like_the_real_kernel(
 ) -> None:
     path = tiny_checkpoint("llama", "float32")
     args = ("verl_fsdp2", path, FLASH)
-    real = launch(*args, tmp_path / "real", False, ("packed",), nproc=NPROC)
-    guarded = launch(*args, tmp_path / "guarded", True, ("packed",), nproc=NPROC)
+    real = launch(*args, tmp_path / "real", False, ("packed",), nproc=NPROC, env_extra=SHARE)
+    guarded = launch(*args, tmp_path / "guarded", True, ("packed",), nproc=NPROC, env_extra=SHARE)
     broken_dir = tmp_path / "broken_ext"
     broken_dir.mkdir()
     (broken_dir / "flash_attn_2_cuda.py").write_text(BROKEN)
-    env = {"PYTHONPATH": f"{broken_dir}{os.pathsep}{os.environ['PYTHONPATH']}"}
+    env = {"PYTHONPATH": f"{broken_dir}{os.pathsep}{os.environ['PYTHONPATH']}", **SHARE}
     broken = launch(*args, tmp_path / "broken", True, ("packed",), nproc=NPROC, env_extra=env)
-    report: dict[str, Any] = {"nproc": NPROC, "gpu": torch.cuda.get_device_name(0)}
+    report: dict[str, Any] = {
+        "nproc": NPROC,
+        "ranks_share_one_gpu": bool(SHARE),
+        "gpu": torch.cuda.get_device_name(0),
+    }
     for rank in range(NPROC):
         want = real[rank]["losses"]
         assert guarded[rank]["losses"] == want  # the same kernel: bit-equal

@@ -4,7 +4,9 @@ tests/test_ranks.py launch it under torchrun (with and without ATTNGUARD=1).
     python ranks_worker.py MODE CHECKPOINT ATTN_IMPLEMENTATION OUT_DIR [hand_fix] [packed]
 
 On a machine with CUDA each rank uses cuda:LOCAL_RANK and nccl (tests/gpu/test_ranks_gpu.py),
-else the CPU and gloo. MODE is how the stack builds and wraps the model:
+else the CPU and gloo; with RANKS_SHARE_GPU=1 every rank uses cuda:0 and gloo (two ranks on one
+GPU: nccl refuses a GPU shared by ranks; tests/gpu/test_ranks_one_gpu.py). MODE is how the stack
+builds and wraps the model:
 
 * ``verl_fsdp2``: verl's actor (volcengine/verl fsdp_workers + fsdp_utils): the process group
   first; rank 0 builds under ``with torch.device("cpu")``, the other ranks under accelerate's
@@ -48,7 +50,8 @@ PACKED = "packed" in sys.argv[5:]
 STEPS = 3
 CUDA = torch.cuda.is_available()
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", "0"))
-DEVICE = torch.device("cuda", LOCAL_RANK) if CUDA else torch.device("cpu")
+SHARE_GPU = CUDA and os.environ.get("RANKS_SHARE_GPU") == "1"
+DEVICE = torch.device("cuda", 0 if SHARE_GPU else LOCAL_RANK) if CUDA else torch.device("cpu")
 if CUDA:
     torch.cuda.set_device(DEVICE)
 
@@ -121,7 +124,7 @@ def main() -> None:
         result["losses"] = losses
         result["param_dtypes"] = dtypes(p.ds_tensor for p in model.parameters())
     else:
-        dist.init_process_group("nccl" if CUDA else "gloo")
+        dist.init_process_group("nccl" if CUDA and not SHARE_GPU else "gloo")
         rank = dist.get_rank()
         if mode in ("verl_fsdp2", "verl_fsdp1"):
             from accelerate import init_empty_weights
@@ -188,7 +191,7 @@ def main() -> None:
             if hand_fix:
                 model = model.to(DEVICE)
             result["devices_at_wrap"] = sorted({str(p.device) for p in model.parameters()})
-            wrapped = DistributedDataParallel(model, device_ids=[LOCAL_RANK] if CUDA else None)
+            wrapped = DistributedDataParallel(model, device_ids=[DEVICE.index] if CUDA else None)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
         # a training forward keeps no cache (transformers' sdpa holds packed rows apart only then)
         result["losses"], result["step_s"] = train(
