@@ -40,7 +40,7 @@ def launch(
 ) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = subprocess_env(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    if mode == "zero3":
+    if mode in ("zero3", "trainer_zero3"):
         env["PYTHONPATH"] = os.pathsep.join([DEEPSPEED_DIR, env["PYTHONPATH"]])
     if guarded:
         env.update(ATTNGUARD="1", ATTNGUARD_LOG=str(out / "events-{rank}.jsonl"))
@@ -160,3 +160,36 @@ def test_verl_fsdp2_on_packed_rows_trains_as_without_the_guard(
         assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) < 1e-2, (got, want)
         assert guarded[rank]["param_dtypes"] == ["float32"]
     assert_ranks_agree(tmp_path / "guarded")
+
+
+def test_hf_trainer_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """A fine-tuning script: ``from_pretrained(attn_implementation=...)`` and the HF Trainer,
+    which wraps the model in DDP itself (accelerate, gloo). Guarded with flash requested it
+    trains like the sdpa run; the dtype nobody chose is not changed with ranks."""
+    plain, guarded, out = run_both("trainer", tiny_checkpoint, tmp_path)
+    assert_same_training(plain, guarded)
+    for rank in (0, 1):
+        assert guarded[rank]["loaded_dtypes"] == plain[rank]["loaded_dtypes"] == ["float32"]
+        assert guarded[rank]["param_dtypes"] == ["float32"]
+        assert guarded[rank]["attn_implementation"] == FLASH
+        assert len(guarded[rank]["losses"]) == 3
+    assert_ranks_agree(out)
+
+
+@pytest.mark.skipif(
+    not os.path.isdir(os.path.join(DEEPSPEED_DIR, "deepspeed")),
+    reason="TEST_DEEPSPEED_DIR holds no deepspeed (scripts/test.sh installs it there)",
+)
+def test_hf_trainer_with_deepspeed_zero3_trains_as_without_the_guard(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """The HF Trainer with ``TrainingArguments(deepspeed=<ZeRO-3>)`` made before the load, as the
+    docs tell users: transformers partitions the model at load (guarded too, nothing cast or
+    moved), DeepSpeed trains it, and the losses match the unguarded run."""
+    plain, guarded, out = run_both("trainer_zero3", tiny_checkpoint, tmp_path)
+    for rank in (0, 1):
+        assert guarded[rank]["partitioned"] and plain[rank]["partitioned"]
+        assert guarded[rank]["param_dtypes"] == plain[rank]["param_dtypes"]
+    assert_same_training(plain, guarded)
+    said = assert_ranks_agree(out)
+    assert all(d[0] in ("backend_fallback", "observed") for d in said)

@@ -22,6 +22,10 @@ builds and wraps the model:
   ``device_ids=[LOCAL_RANK]``; ``hand_fix`` moves the model there first, as users did by hand).
 * ``zero3``: DeepSpeed ZeRO-3 through ``HfDeepSpeedConfig`` and ``deepspeed.initialize`` (the
   real package, DS_ACCELERATOR=cpu).
+* ``trainer``: a fine-tuning script: ``from_pretrained`` with nothing chosen but the attention,
+  then the HF ``Trainer`` (its own DDP through accelerate; gloo on CPU), three logged steps.
+  ``trainer_zero3``: the same with ``TrainingArguments(deepspeed=<ZeRO-3 config>)`` made before
+  the load, so transformers partitions the model as it loads.
 
 ``packed`` trains on one packed row instead of a padded batch: sequences of several lengths
 concatenated, ``position_ids`` restarting at each (verl's ``use_remove_padding``, TRL's
@@ -94,7 +98,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     result: dict = {"mode": mode, "attn": attn}
-    if mode == "zero3":
+    if mode in ("trainer", "trainer_zero3"):
+        rank = train_with_the_trainer(result)
+    elif mode == "zero3":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
         from transformers.integrations import HfDeepSpeedConfig
@@ -211,6 +217,56 @@ def main() -> None:
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     leave()  # with DDP's reducer still alive: see leave()
+
+
+def train_with_the_trainer(result: dict) -> int:
+    """The HF Trainer as a fine-tuning script runs it; fills ``result``, returns the rank."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    extra: dict = {}
+    if mode == "trainer_zero3":
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if CUDA else "cpu")
+        extra["deepspeed"] = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,
+        }
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, "trainer"),
+        per_device_train_batch_size=2,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not CUDA,
+        ddp_backend=None if CUDA else "gloo",
+        dataloader_num_workers=0,
+        seed=0,
+        **extra,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    result["loaded_dtypes"] = dtypes(model.parameters())
+    result["attn_implementation"] = model.config._attn_implementation
+    result["partitioned"] = all(hasattr(p, "ds_id") for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(3, 120, (2 * STEPS * dist_world_size(), 12), generator=g)
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    # the logged loss is the mean over the ranks' batches: the same on every rank
+    result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result["param_dtypes"] = dtypes(getattr(p, "ds_tensor", p) for p in model.parameters())
+    result["param_devices"] = sorted({str(p.device) for p in model.parameters()})
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def dist_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def leave() -> None:
