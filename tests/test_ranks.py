@@ -176,6 +176,25 @@ def test_hf_trainer_trains_as_without_the_guard(tiny_checkpoint: Any, tmp_path: 
     assert_ranks_agree(out)
 
 
+def test_hf_trainer_padding_free_trains_as_without_the_guard(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """The Trainer with DataCollatorWithFlattening (padding-free, as TRL's padding_free): every
+    batch one packed row, position_ids restarting. Guarded, flash's packed-row path on the twins;
+    unguarded, the user's sdpa without a cache (which holds packed rows apart on 4.53+): the same
+    losses, ranks agree."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("4.53"):
+        pytest.skip("transformers < 4.53: its sdpa path attends across packed rows (no reference)")
+    path = tiny_checkpoint("llama", "float32")
+    plain = launch("trainer", path, "sdpa", tmp_path / "plain", False, ("packed",))
+    guarded = launch("trainer", path, FLASH, tmp_path / "guarded", True, ("packed",))
+    assert_same_training(plain, guarded)
+    assert_ranks_agree(tmp_path / "guarded")
+
+
 @pytest.mark.skipif(
     not os.path.isdir(os.path.join(DEEPSPEED_DIR, "deepspeed")),
     reason="TEST_DEEPSPEED_DIR holds no deepspeed (scripts/test.sh installs it there)",

@@ -25,7 +25,9 @@ builds and wraps the model:
 * ``trainer``: a fine-tuning script: ``from_pretrained`` with nothing chosen but the attention,
   then the HF ``Trainer`` (its own DDP through accelerate; gloo on CPU), three logged steps.
   ``trainer_zero3``: the same with ``TrainingArguments(deepspeed=<ZeRO-3 config>)`` made before
-  the load, so transformers partitions the model as it loads.
+  the load, so transformers partitions the model as it loads. With ``packed`` the Trainer gets
+  transformers' ``DataCollatorWithFlattening`` (padding-free: what TRL's ``padding_free`` builds)
+  and ``model.config.use_cache = False``, as such scripts set it.
 
 ``packed`` trains on one packed row instead of a padded batch: sequences of several lengths
 concatenated, ``position_ids`` restarting at each (verl's ``use_remove_padding``, TRL's
@@ -254,9 +256,21 @@ def train_with_the_trainer(result: dict) -> int:
     result["attn_implementation"] = model.config._attn_implementation
     result["partitioned"] = all(hasattr(p, "ds_id") for p in model.parameters())
     g = torch.Generator().manual_seed(0)
-    rows = torch.randint(3, 120, (2 * STEPS * dist_world_size(), 12), generator=g)
-    data = [{"input_ids": r, "labels": r} for r in rows]
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    n_rows = 2 * STEPS * dist_world_size()
+    collator = None
+    if PACKED:
+        from transformers import DataCollatorWithFlattening
+
+        model.config.use_cache = False
+        lens = torch.randint(3, 13, (n_rows,), generator=g).tolist()
+        data: list = [
+            {"input_ids": torch.randint(3, 120, (n,), generator=g).tolist()} for n in lens
+        ]
+        collator = DataCollatorWithFlattening()
+    else:
+        rows = torch.randint(3, 120, (n_rows, 12), generator=g)
+        data = [{"input_ids": r, "labels": r} for r in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
     trainer.train()
     # the logged loss is the mean over the ranks' batches: the same on every rank
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
