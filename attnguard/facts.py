@@ -129,6 +129,9 @@ class InitContext:
     *on purpose*; casting or moving it there would break sharding or fp32 master weights, so the
     guard only observes. ``device_context``: the device of an active ``with torch.device(...)``
     block or ``torch.set_default_device`` (an explicit placement by the caller), else None.
+    ``training_script``: the program has imported transformers' Trainer or TrainingArguments
+    (HF example scripts, TRL, LLaMA-Factory do before they load): its mixed precision keeps
+    float32 master weights under autocast on purpose, so the dtype is left alone.
     """
 
     zero3: bool = False
@@ -136,6 +139,7 @@ class InitContext:
     meta: bool = False
     default_device: str = "cpu"
     device_context: str | None = None
+    training_script: bool = False
 
     @property
     def deliberate(self) -> tuple[str, str] | None:
@@ -696,7 +700,13 @@ def init_context_now(environ: Mapping[str, str] | None = None) -> InitContext:
         meta=(device or "").startswith("meta") or _init_empty_weights_active(),
         default_device=device or "cpu",
         device_context=device,
+        training_script=training_script(),
     )
+
+
+def training_script() -> bool:
+    """transformers' Trainer / TrainingArguments are imported (read, never imported here)."""
+    return "transformers.training_args" in sys.modules or "transformers.trainer" in sys.modules
 
 
 def is_quantized_load(kwargs: Mapping[str, Any], config: Any = None) -> bool:

@@ -109,8 +109,8 @@ TABLE: tuple[Rule, ...] = (
         "E",
         "flash requested (its kernel or the SDPA twins), a GPU for this rank, the model would be "
         "float32 because the caller chose no dtype (4.x default, 5.x 'auto' on a float32 "
-        "checkpoint), one process, ATTNGUARD_FP32_POLICY=cast (default), the model will live on "
-        "a GPU",
+        "checkpoint), one process that has not imported transformers' Trainer, "
+        "ATTNGUARD_FP32_POLICY=cast (default), the model will live on a GPU",
         "load in bf16 where the GPU has it natively, else fp16 (ATTNGUARD_DTYPE overrides), by "
         "injecting the load dtype (keeps _keep_in_fp32_modules in fp32)",
         "model_cast",
@@ -155,6 +155,17 @@ TABLE: tuple[Rule, ...] = (
         "flash calls are carried at call time",
         "observed",
         "multi_rank",
+        None,
+    ),
+    Rule(
+        "training-script",
+        "E",
+        "a cast would apply, but the program imported transformers' Trainer / TrainingArguments "
+        "(a training script: bf16=True / fp16=True autocasts and keeps float32 master weights)",
+        "change nothing at load (a cast would turn mixed-precision training into pure half "
+        "training); flash calls are carried at call time (under autocast they are already half)",
+        "observed",
+        "training_script",
         None,
     ),
     Rule(
@@ -756,6 +767,13 @@ def _plan_dtype(
             f"(some may build on the meta device) and hang a sharded wrapper; {carried}"
         )
         draft.actions.append(_observe("ranks-agree", "multi_rank", problem, why))
+    elif code == "flash_needs_half" and facts.init.training_script:
+        why = (
+            "the program imported transformers' Trainer / TrainingArguments: its mixed precision "
+            "(bf16=True / fp16=True) trains float32 master weights under autocast, which a cast at "
+            f"load would turn into pure half training; {carried}"
+        )
+        draft.actions.append(_observe("training-script", "training_script", problem, why))
     elif not on_gpu:
         return None  # kept on the CPU (step 2 said why): a cast would only slow it there
     elif not settings.allows(CAST):

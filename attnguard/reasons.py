@@ -122,6 +122,13 @@ _TABLE: tuple[Reason, ...] = (
         "choose the dtype in the load call on every rank (dtype=torch.bfloat16)",
     ),
     Reason(
+        "training_script",
+        ("observed",),
+        "a training script (transformers' Trainer / TrainingArguments imported): float32 master "
+        "weights under mixed precision are kept, the dtype is not changed at load",
+        "load with dtype=torch.bfloat16 to train the whole model in bf16, if that is what you want",
+    ),
+    Reason(
         "explicit_placement",
         ("observed",),
         "the caller placed the model (device_map, tp_plan, a torch.device block, hooks)",

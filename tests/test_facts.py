@@ -178,6 +178,31 @@ def test_meta_device_and_init_empty_weights_are_deliberate_init() -> None:
     assert not F.init_context_now({}).meta
 
 
+def test_a_training_script_is_one_that_imported_the_trainer() -> None:
+    """In a fresh interpreter: a program that loads a model is not a training script; one that
+    imported transformers' TrainingArguments (or Trainer) before the load is. The answer comes
+    from what is imported; attnguard imports neither."""
+    import subprocess
+
+    code = (
+        "import sys, transformers\n"
+        "from attnguard import facts\n"
+        "before = facts.init_context_now({}).training_script\n"
+        "imported_by_us = 'transformers.training_args' in sys.modules\n"
+        "from transformers import {name}\n"
+        "print(before, imported_by_us, facts.init_context_now({{}}).training_script)\n"
+    )
+    for name in ("TrainingArguments", "Trainer"):
+        res = subprocess.run(
+            [sys.executable, "-c", code.replace("{name}", name).replace("{{}}", "{}")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.split() == ["False", "False", "True"], (name, res.stdout, res.stderr)
+
+
 def test_zero3_is_transformers_own_answer(monkeypatch: Any) -> None:
     """DeepSpeed cannot be installed here: transformers' is_deepspeed_zero3_enabled is replaced
     by a stand-in answering True, as it does once a ZeRO-3 HfDeepSpeedConfig exists."""

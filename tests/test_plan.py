@@ -162,6 +162,22 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         (FLASH, None, None, "cuda:0"),
     ),
     (
+        "H100 fp32, one process, Trainer imported (a training script): placed, dtype stands",
+        machine("H100", init=F.InitContext(training_script=True)),
+        req(),
+        S,
+        [PLACE, ("training-script", "observed", "training_script")],
+        (FLASH, None, None, "cuda:0"),
+    ),
+    (
+        "H100 bf16 checkpoint, a training script: nothing wrong, nothing said",
+        machine("H100", init=F.InitContext(training_script=True)),
+        req(dtype="bfloat16"),
+        S,
+        [PLACE],
+        (FLASH, None, None, "cuda:0"),
+    ),
+    (
         "H100 fp32 explicit device_map=auto (one process): the caller's map is on the GPU",
         machine("H100"),
         req(device_map="auto"),

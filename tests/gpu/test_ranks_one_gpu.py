@@ -1,4 +1,5 @@
-"""verl's actor, two ranks on one GPU, with the real flash-attn kernel: the two-rank pattern that
+"""Training stacks where one GPU is lent, with the real flash-attn kernel: a single-GPU HF Trainer
+script (last test), and verl's actor with two ranks on one GPU, the two-rank pattern that
 once hung under the guard (rank 0 builds the float32 model on the CPU, rank 1 on meta), run where
 only one GPU is lent.
 
@@ -57,3 +58,22 @@ def test_verl_actor_two_ranks_one_gpu_trains_bit_for_bit_as_without_the_guard(
     changes = {r: [d for d in said[r] if d[0] != "observed"] for r in (0, 1)}
     assert changes[0] == changes[1] == [], said  # nothing changed on any rank
     assert said[0] and said[1]  # each rank looked, and said why it left things alone
+
+
+def test_single_gpu_trainer_bf16_keeps_the_fp32_master_weights(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """A fine-tuning script on one GPU: Trainer imported, a float32 checkpoint loaded with flash
+    and no dtype, ``TrainingArguments(bf16=True)``. Unguarded it trains float32 master weights
+    under bf16 autocast (flash gets bf16 inputs). Guarded the same: no cast at load (one
+    ``observed`` event, ``training_script``), the model placed on the GPU, bit-equal losses."""
+    path = tiny_checkpoint("llama", "float32")
+    plain = launch("trainer", path, FLASH, tmp_path / "plain", False, nproc=1)
+    guarded = launch("trainer", path, FLASH, tmp_path / "guarded", True, nproc=1)
+    assert guarded[0]["losses"] == plain[0]["losses"]
+    assert guarded[0]["loaded_dtypes"] == plain[0]["loaded_dtypes"] == ["float32"]
+    assert guarded[0]["param_dtypes"] == ["float32"]
+    assert guarded[0]["param_devices"] == plain[0]["param_devices"] == ["cuda:0"]
+    said = decisions(tmp_path / "guarded", 0)
+    assert ("observed", "training_script", None) in said, said
+    assert not [d for d in said if d[0] == "model_cast"], said

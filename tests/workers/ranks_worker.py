@@ -23,7 +23,8 @@ builds and wraps the model:
 * ``zero3``: DeepSpeed ZeRO-3 through ``HfDeepSpeedConfig`` and ``deepspeed.initialize`` (the
   real package, DS_ACCELERATOR=cpu).
 * ``trainer``: a fine-tuning script: ``from_pretrained`` with nothing chosen but the attention,
-  then the HF ``Trainer`` (its own DDP through accelerate; gloo on CPU), three logged steps.
+  then the HF ``Trainer`` (its own DDP through accelerate; gloo on CPU; ``bf16=True`` on a GPU),
+  three logged steps.
   ``trainer_zero3``: the same with ``TrainingArguments(deepspeed=<ZeRO-3 config>)`` made before
   the load, so transformers partitions the model as it loads. With ``packed`` the Trainer gets
   transformers' ``DataCollatorWithFlattening`` (padding-free: what TRL's ``padding_free`` builds)
@@ -246,6 +247,7 @@ def train_with_the_trainer(result: dict) -> int:
         save_strategy="no",
         report_to=[],
         use_cpu=not CUDA,
+        bf16=CUDA,  # mixed precision on a GPU, as fine-tuning scripts run
         ddp_backend=None if CUDA else "gloo",
         dataloader_num_workers=0,
         seed=0,
