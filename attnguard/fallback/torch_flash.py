@@ -19,11 +19,12 @@ outputs within bf16 rounding (max |diff| 0.0078 on a pack of 64 sequences, 18.3k
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .sdpa import compiling
 
 Tensor = torch.Tensor
 
@@ -42,8 +43,7 @@ def _op() -> Any:
 _OP = _op()
 
 
-@functools.cache
-def op_parameters() -> frozenset[str]:
+def _op_parameters() -> frozenset[str]:
     """The keyword parameters this torch's kernel takes (window sizes from torch 2.6,
     ``seqused_k``, ...): what it can express here."""
     try:
@@ -52,15 +52,28 @@ def op_parameters() -> frozenset[str]:
         return frozenset()
 
 
-@functools.cache
+# Facts read outside any trace: torch.compile traces through a cached function (and cannot wrap
+# the op's FunctionSchema: a graph break), but reads a module-level constant or dict entry as a
+# constant. The parameters are read at import (no GPU touched); each GPU is judged at its first
+# eager call.
+OP_PARAMETERS = _op_parameters()
+_GPU_OK: dict[int, bool] = {}
+
+
 def _gpu_ok(index: int) -> bool:
-    try:
-        return bool(
-            torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
-        )
-    except Exception:
-        return False
+    ok = _GPU_OK.get(index)
+    if ok is None:
+        if compiling():
+            return False  # not judged outside a trace yet: another kernel computes the call
+        try:
+            ok = bool(
+                torch.backends.cuda.is_flash_attention_available()
+                and torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+            )
+        except Exception:
+            ok = False
+        _GPU_OK[index] = ok
+    return ok
 
 
 def can_run(
@@ -78,10 +91,9 @@ def can_run(
         return False
     if k.device != q.device or v.device != q.device:
         return False
-    params = op_parameters()
-    if window and "window_size_left" not in params:
+    if window and "window_size_left" not in OP_PARAMETERS:
         return False
-    if seqused and "seqused_k" not in params:
+    if seqused and "seqused_k" not in OP_PARAMETERS:
         return False
     index = q.device.index
     return _gpu_ok(torch.cuda.current_device() if index is None else index)
