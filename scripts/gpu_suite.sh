@@ -22,8 +22,10 @@
 # Parts (SUITE_PARTS, default "tests multigpu bench"):
 #   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0;
 #             SUITE_TEST_FILES names fewer files)
-#   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py in one pytest process;
-#             test_multigpu_gpu.py, test_examples_gpu.py and test_call_gpu.py in another
+#   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py and test_packed_ranks_gpu.py
+#             (one rank per GPU) in one pytest process; test_multigpu_gpu.py and
+#             test_examples_gpu.py in another; test_call_gpu.py in a third
+#             (SUITE_MULTIGPU_FILES names files for one process instead)
 #   bench     SUITE_BENCHES (default "bench_twins bench_kernel"; bench_fallback too when named)
 #             with the real flash-attn on PYTHONPATH, GPU 0, one after the other, then
 #             bench/bench_multigpu.py (two GPUs). bench_forward.py / bench_load.py only with
@@ -202,12 +204,21 @@ if [[ $parts == *" tests "* ]]; then
   done
 fi
 if [[ $parts == *" multigpu "* ]]; then
-  if [ "$ngpu" -ge 2 ]; then
-    say "multigpu: two pytest processes on both GPUs, limit ${limit}s each"
-    order+=(multigpu-ranks multigpu-others)
-    pytest_job multigpu-ranks "$limit" all tests/gpu/test_ranks_gpu.py -m multigpu &
+  if [ "$ngpu" -ge 2 ] && [ -n "${SUITE_MULTIGPU_FILES:-}" ]; then
+    say "multigpu: ${SUITE_MULTIGPU_FILES} in one pytest process on both GPUs, limit ${limit}s"
+    order+=(multigpu-files)
+    # shellcheck disable=SC2086 # a list of files
+    pytest_job multigpu-files "$limit" all $SUITE_MULTIGPU_FILES -m multigpu &
+  elif [ "$ngpu" -ge 2 ]; then
+    say "multigpu: three pytest processes on both GPUs, limit ${limit}s each"
+    order+=(multigpu-ranks multigpu-others multigpu-call)
+    pytest_job multigpu-ranks "$limit" all tests/gpu/test_ranks_gpu.py \
+      tests/gpu/test_packed_ranks_gpu.py -m multigpu &
     pytest_job multigpu-others "$limit" all tests/gpu/test_multigpu_gpu.py \
-      tests/gpu/test_examples_gpu.py tests/gpu/test_call_gpu.py -m multigpu &
+      tests/gpu/test_examples_gpu.py -m multigpu &
+    # test_call_gpu puts the real flash-attn on sys.path itself: its own process, or transformers
+    # has already decided flash-attn is absent
+    pytest_job multigpu-call "$limit" all tests/gpu/test_call_gpu.py -m multigpu &
   else
     say "multigpu: skipped, $ngpu GPU(s) visible"
     echo -e "\n## multigpu\n\nskipped: $ngpu GPU(s) visible, two needed" >>"$results"

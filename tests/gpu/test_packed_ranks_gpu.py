@@ -29,10 +29,11 @@ import pytest
 import torch
 from test_ranks import FLASH, decisions, launch
 
-pytestmark = [pytest.mark.gpu]
-
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+# one rank per GPU where two are visible (the suite's multigpu part), else two ranks on one
+pytestmark = [pytest.mark.gpu] + ([pytest.mark.multigpu] if torch.cuda.device_count() >= 2 else [])
 
 import gpuenv  # noqa: E402
 
