@@ -291,7 +291,19 @@ def _registry_flash_twin(
     module: Any, query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kw: Any
 ) -> Any:
     mask = rest[0] if rest else kw.pop("attention_mask", None)
-    return flash_call_on_sdpa(module, query, key, value, mask, rest, kw)
+    return flash_call_on_sdpa(module, query, key, value, mask, rest, kw, window=_flash_window(kw))
+
+
+def _flash_window(kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """The flash ``window_size`` this release's flash path makes of ``sliding_window``; where
+    attnguard does not know it, the window of transformers' eager path (keys ``i - j < w``), what
+    the flash path's own warning for these calls recommends."""
+    w = kwargs.get("sliding_window")
+    if not isinstance(w, int) or w <= 0:
+        return None
+    from .patches import transformers_kernels
+
+    return transformers_kernels.flash_window(w) or (w - 1, w - 1)
 
 
 def _sdpa_every_backend(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -335,6 +347,8 @@ def _closure(
                 or events.is_compiling()
                 or classify_kernel_error(exc) is None
             ):
+                if entry.kind == REGISTRY_FLASH and rt._settings.enabled:
+                    _stepped_aside(entry, args)
                 raise
             site = entry.site or _registry_site(entry.name, args)
             recover = functools.partial(_recover, entry=entry, error=exc)
@@ -343,6 +357,29 @@ def _closure(
     guarded = functools.wraps(original)(attnguard_attention)
     guarded.__attnguard_original__ = original  # type: ignore[attr-defined]
     return make_picklable(guarded, original)
+
+
+def _stepped_aside(entry: Entry, args: tuple[Any, ...]) -> None:
+    """A flash registry call failed where attnguard left transformers' flash path alone because
+    it does not recognise it: say so once (the error itself is the caller's, unchanged)."""
+    try:
+        if events.is_compiling():
+            return
+        from .patches import transformers_kernels
+
+        why = transformers_kernels.stepped_aside(entry.name)
+        if why:
+            events.emit(
+                "observed",
+                site=_registry_site(entry.name, args),
+                reason_code="flash_path_unrecognised",
+                reason=f"{entry.name} call failed; left as is: {why}",
+                requested=entry.name,
+            )
+    except Exception as exc:
+        from .patching import report_internal_error
+
+        report_internal_error(f"transformers.{entry.name}", exc)
 
 
 def _faster_kernel(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

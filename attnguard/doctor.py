@@ -6,6 +6,7 @@ apply to ``flash_attention_2`` + float32 + no device_map — computed by the sam
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from . import facts as facts_mod
@@ -28,12 +29,14 @@ def collect() -> dict[str, Any]:
 
     facts = facts_mod.current()
     settings = _settings()
-    plan = plan_load(_sample_request(), facts, settings)
+    flash_path = transformers_kernels.installed_flash_path()
+    plan = plan_load(_sample_request(flash_path), facts, settings)
     return {
         "versions": versions(),
         "settings": settings.as_dict(),
         "facts": facts.as_dict(),
         "decision_table": [dict(r.__dict__) for r in TABLE],
+        "flash_path": flash_path,
         "sample_request": "flash_attention_2 + float32 + no device_map",
         "sample_plan": plan.as_dict(),
         "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
@@ -54,10 +57,13 @@ def _kernel_decisions() -> list[dict[str, Any]]:
     return cached()
 
 
-def _sample_request() -> Any:
-    """flash_attention_2 + float32 + no device_map, for a model whose flash path this release's
-    SDPA twins cover (a registry-based model such as Llama or Qwen2)."""
-    return flash_fp32_request(flash_path_on_twins=transformers_kernels.covers())
+def _sample_request(flash_path: dict[str, Any]) -> Any:
+    """flash_attention_2 + float32 + no device_map, for a registry-based model such as Llama or
+    Qwen2, with what this machine's transformers flash path is (kept on the twins or not)."""
+    return replace(
+        flash_fp32_request(flash_path_on_twins=flash_path["kept_on_twins"]),
+        flash_path_unrecognised=flash_path["why"],
+    )
 
 
 def _rows(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -139,8 +145,24 @@ def render(as_json: bool = False) -> str:
     )
     for r in TABLE:
         lines.append(f"  {r.id}: when {r.when} -> {r.then}")
+    path = data["flash_path"]
+    lines += ["", "transformers' flash code path (read from the module, checked on stand-ins)"]
+    if path.get("wiring"):
+        lines.append(
+            f"  wiring: {path['wiring']}; window_size for sliding_window=w: "
+            f"{path.get('window_size') or 'not read'}"
+        )
+    if path["kept_on_twins"]:
+        lines.append(
+            "  where flash-attn cannot run: kept, its kernel calls on the SDPA twins "
+            f"(checked: {', '.join(path['probe_cases'])})"
+        )
+    else:
+        lines.append(
+            f"  where flash-attn cannot run: not kept, attnguard steps aside ({path['why']})"
+        )
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
-    lines += _plan_lines(plan_load(_sample_request(), facts, settings))
+    lines += _plan_lines(plan_load(_sample_request(path), facts, settings))
     lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/kernels.py)"]
     lines += _rows(
         ["route", "call", "kernel", "when"],

@@ -75,10 +75,26 @@ TABLE: tuple[Rule, ...] = (
         FALLBACK,
     ),
     Rule(
+        "flash-path-unrecognised",
+        "A/B",
+        "as flash-on-sdpa, but attnguard does not recognise how this transformers release wires "
+        "its flash code path (read from the module, then checked by running it once on recording "
+        "stand-ins of the twins): no fallback would be known to compute flash's numbers",
+        "change no backend: the request goes to transformers as made (where it refuses it, its "
+        "own error stands), and the event says what was not recognised (never a backend that "
+        "computes other numbers)",
+        "observed",
+        "flash_path_unrecognised",
+        None,
+    ),
+    Rule(
         "flash-unusable",
         "A/B",
-        "as flash-on-sdpa, but the flash code path cannot be kept (the SDPA twins do not cover "
-        "this transformers release, or ATTNGUARD_FALLBACK puts another backend first)",
+        "as flash-on-sdpa, but the flash code path cannot be kept for this model: its class "
+        "computes attention in classes of its own that bypass the patched kernel functions "
+        "(transformers 4.49-4.53 without the attention registry, such as Qwen2-VL: their flash "
+        "path is given no position_ids, so it detects no packed rows and sdpa computes the same), "
+        "or ATTNGUARD_FALLBACK puts another backend first",
         "load with the first backend of ATTNGUARD_FALLBACK that is usable here and that the "
         "model class supports (never a hub kernel)",
         "backend_fallback",
@@ -266,6 +282,8 @@ class LoadRequest:
     supports_flex: bool = True
     # transformers' flash code path can run on attnguard's SDPA twins for this model here
     flash_path_on_twins: bool = False
+    # why attnguard does not know this release's flash code path ("" when it does, or unasked)
+    flash_path_unrecognised: str = ""
     model_bytes: int | None = None
 
     @property
@@ -551,6 +569,19 @@ def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft:
         elif not status.usable:
             code, problem = status.reason_code, f"{want} requested{_target_label(target)}: "
             problem += status.reason
+            if request.flash_path_unrecognised:  # never a backend computing other numbers
+                why = (
+                    "attnguard does not recognise how this transformers release wires its flash "
+                    f"code path ({request.flash_path_unrecognised}), so no fallback is known to "
+                    "compute flash's numbers (packed rows, windows); the request goes to "
+                    "transformers as made (where it refuses it, its own error stands)"
+                )
+                draft.actions.append(
+                    _observe(
+                        "flash-path-unrecognised", "flash_path_unrecognised", problem, why, target
+                    )
+                )
+                continue
         else:
             continue
         choice = fallback_choice(request, facts, settings, flash_path=request.supports_flash)

@@ -34,6 +34,13 @@ _TABLE: tuple[Reason, ...] = (
         "an installed library is outside the versions an integration supports: not patched",
         "use a version the integration supports (README, Compatibility)",
     ),
+    Reason(
+        "signature_unrecognised",
+        ("observed",),
+        "a flash-attn or xformers entry point takes parameters its twin does not (a release "
+        "attnguard has not seen): that function is left unguarded",
+        "upgrade attnguard for this flash-attn / xformers release",
+    ),
     # --- load time: why a flash kernel cannot run here (attnguard.facts) -----------------------
     Reason(
         "package_missing",
@@ -83,6 +90,15 @@ _TABLE: tuple[Reason, ...] = (
         _FALLBACK,
         "flash attention requested for a model class that does not support it",
         f"this model class has no flash-attention support: {_SDPA}",
+    ),
+    Reason(
+        "flash_path_unrecognised",
+        ("observed",),
+        "flash attention requested where its kernel cannot run, and attnguard does not recognise "
+        "how this transformers release wires its flash code path: it steps aside (the load fails "
+        "as it would without attnguard) rather than compute other numbers",
+        "upgrade attnguard for this transformers release, install flash-attn for this torch and "
+        f"GPU, or {_SDPA} (transformers' sdpa path does not hold packed rows apart on every release)",
     ),
     Reason(
         "no_fallback_usable",

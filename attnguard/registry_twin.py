@@ -133,14 +133,15 @@ def flash_mask_for_sdpa(
     device: torch.device,
     *,
     causal: bool,
-    sliding_window: int | None = None,
+    window: tuple[int, int] | None = None,
     segments: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, bool]:
     """Build what SDPA needs from what a flash path receives.
 
     ``mask`` is the 2D (B, S) padding mask (1 = token) flash functions get, or a 4D mask in SDPA
     form (used as it is), or None. Causality is bottom-right aligned as flash-attn's (query ``i``
-    sees keys ``j <= i + sk - sq``). Returns (keep mask (B|1, 1, sq, sk) bool or a 4D float mask
+    sees keys ``j <= i + sk - sq``). ``window`` is flash-attn's ``window_size`` (left, right):
+    query ``i`` sees keys ``i - left <= j <= i + right``, -1 for no bound. Returns (keep mask (B|1, 1, sq, sk) bool or a 4D float mask
     or None, rows to zero (B|1, sq, 1, 1) or None, is_causal for SDPA). Rows with no visible key
     and padded query tokens give zeros, as flash-attn's unpadded output does; no NaN.
     """
@@ -157,7 +158,8 @@ def flash_mask_for_sdpa(
             extra = mask.new_ones(mask.shape[0], sk - mask.shape[-1])
             pad = torch.cat([extra, mask], dim=-1)
         pad = pad.to(_BOOL)
-    window = sliding_window if sliding_window is not None and sk > sliding_window else None
+    if window is not None and window[0] < 0 and (causal or window[1] < 0):
+        window = None
     if pad is None and window is None and segments is None:
         if not causal or sq == 1:
             return None, None, False
@@ -169,10 +171,11 @@ def flash_mask_for_sdpa(
     if causal:
         keep = keep & (j <= i)
     if window is not None:
-        # transformers: flash window (w - 1, w - 1); SDPA/eager masks keep i - j < w.
-        keep = keep & ((i - j) < window)
-        if not causal:
-            keep = keep & ((j - i) < window)
+        left, right = window
+        if left >= 0:
+            keep = keep & ((i - j) <= left)
+        if right >= 0 and not causal:
+            keep = keep & ((j - i) <= right)
     keep = keep[None, None]
     zero_rows = None
     if pad is not None:
@@ -203,11 +206,14 @@ def flash_call_on_sdpa(
     mask: Tensor | None,
     rest: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Compute a transformers flash registry call with SDPA (or eager math where SDPA cannot).
 
-    Same inputs (B, H, S, D), same output (B, S, H, D); padding, causality, sliding window and
-    packed sequences from the flash call's own arguments.
+    Same inputs (B, H, S, D), same output (B, S, H, D); padding, causality and packed sequences
+    from the flash call's own arguments; ``window``: the flash ``window_size`` that the call's
+    ``sliding_window`` becomes on this transformers release (the caller knows the convention).
     """
     dropout = float(_arg(rest, kwargs, 1, "dropout", 0.0) or 0.0)
     scale = _arg(rest, kwargs, 2, "scaling", None)
@@ -231,7 +237,7 @@ def flash_call_on_sdpa(
         sk,
         query.device,
         causal=bool(causal),
-        sliding_window=kwargs.get("sliding_window"),
+        window=window,
         segments=segments,
     )
     softcap = kwargs.get("softcap")

@@ -217,17 +217,32 @@ def _supports(cls: type, attr: str) -> bool:
     return True if value is None else bool(value)
 
 
-def _support_fields(cls: type) -> dict[str, Any]:
-    """What the model class supports, as LoadRequest fields."""
+def _support_fields(cls: type, attn: Any) -> dict[str, Any]:
+    """What the model class supports, as LoadRequest fields; for a flash request whose kernel
+    cannot run here, whether transformers' flash path can be kept on the twins (the first such
+    request in a process reads and checks that path: :mod:`.patches.transformers_kernels`)."""
     from .patches import transformers_kernels
 
     flash = _supports_flash(cls)
-    return {
+    fields = {
         "supports_flash": flash,
         "supports_sdpa": _supports(cls, "_supports_sdpa"),
         "supports_flex": _supports(cls, "_supports_flex_attn"),
-        "flash_path_on_twins": flash and transformers_kernels.covers(cls),
     }
+    if flash and _flash_kernel_unusable(attn):
+        why = transformers_kernels.unrecognised()
+        fields["flash_path_unrecognised"] = why
+        fields["flash_path_on_twins"] = not why and transformers_kernels.covers(cls)
+    return fields
+
+
+def _flash_kernel_unusable(attn: Any) -> bool:
+    values = attn.values() if isinstance(attn, Mapping) else [attn]
+    flash = [v for v in values if is_flash(v)]
+    if not flash:
+        return False
+    facts = facts_mod.current()
+    return any(not facts.backend(v).usable for v in flash)
 
 
 def _explicit(dtype: str | None) -> bool:
@@ -291,7 +306,7 @@ def load_request(
         max_memory=kwargs.get("max_memory"),
         placement=placement,
         quantized=facts_mod.is_quantized_load(kwargs, config_obj),
-        **_support_fields(cls),
+        **_support_fields(cls, attn),
     )
     spreading = spreads_over_ranks(request.device_map, facts.launch.world_size)
     sizing = _needs_checkpoint_facts(request, facts)
@@ -337,7 +352,7 @@ def from_config_request(cls: type, config: Any, kwargs: Mapping[str, Any]) -> Lo
         dtype_explicit=_explicit(requested),
         default_dtype=_default_dtype(),
         quantized=facts_mod.is_quantized_load(kwargs, config),
-        **_support_fields(cls),
+        **_support_fields(cls, attn),
     )
 
 
@@ -392,7 +407,7 @@ def model_request(model: Any, state: Mapping[str, Any]) -> LoadRequest:
         device=device,
         quantized=facts_mod.is_quantized_load({}, model.config)
         or bool(getattr(model, "is_quantized", False)),
-        **_support_fields(type(model)),
+        **_support_fields(type(model), config_attn(model.config)),
     )
 
 
@@ -760,7 +775,7 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     if settings is None:
         return GateDecision(requested)
     scope = _enclosing_decision()
-    support = _support_fields(cls)
+    support = _support_fields(cls, requested)
     if scope is not None and scope.backend_decided and support["supports_flash"]:
         # the outer load or model already decided (and reported) the backend
         return GateDecision(_twins_attn(requested) if scope.twins else requested, scope.twins)

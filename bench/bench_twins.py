@@ -257,7 +257,7 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
         broken = which == "twins"
         if broken != state["broken"]:  # switch: transformers resolves its kernels again
             state["broken"] = broken
-            tk._clear_lazy_cache(sys.modules[tk.MODULE], tk.LAYOUTS[tk._minor()])
+            tk._clear_lazy_cache(sys.modules[tk.MODULE], tk.wiring())
 
     try:
         yield use

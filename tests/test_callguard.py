@@ -119,7 +119,12 @@ def test_flash_mask_matches_brute_force(sq, sk, causal, window):
     pad[0, :2] = 0  # left padding
     pad[1, -1] = 0  # right padding
     keep, zero_rows, is_causal = registry_twin.flash_mask_for_sdpa(
-        pad, sq, sk, torch.device("cpu"), causal=causal, sliding_window=window
+        pad,
+        sq,
+        sk,
+        torch.device("cpu"),
+        causal=causal,
+        window=None if window is None else (window - 1, window - 1),
     )
     want = brute_keep(pad, sq, sk, causal, window)
     empty = ~want.any(-1)  # (B, 1, sq)

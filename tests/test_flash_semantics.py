@@ -22,15 +22,17 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from workers.semantics_worker import FAMILIES, WINDOW, make  # the GPU comparison's checkpoints
+from workers.semantics_worker import (  # the GPU comparison's checkpoints
+    FAMILIES,
+    WINDOW,
+    flash_window_left,
+    make,
+)
 
 import attnguard
 from attnguard import events
-from attnguard.patches import transformers_kernels
 
 FLASH = "flash_attention_2"
-if not transformers_kernels.covers():
-    pytest.skip("the SDPA twins do not cover this transformers release", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def load_reference(path: Any) -> Any:
     """float64, eager attention, flash's window: what flash computes, spelled out."""
     cfg = transformers.AutoConfig.from_pretrained(path)
     if getattr(cfg, "sliding_window", None):
-        cfg.sliding_window = transformers_kernels.flash_window_left(cfg.sliding_window) + 1
+        cfg.sliding_window = flash_window_left(cfg.sliding_window) + 1
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, config=cfg, attn_implementation="eager", torch_dtype=torch.float64
     )
@@ -148,9 +150,7 @@ def test_padded_batch_matches_the_float64_reference(
 # while flash is handed a window one key wider: what flash computes there depends on that cache,
 # which a reference with the widened window does not reproduce (tests/gpu compares those with the
 # real kernel). Their windows are covered above by the packed and padded comparisons.
-GENERATE_FAMILIES = (
-    FAMILIES if transformers_kernels.flash_window_left(WINDOW) < WINDOW else ("llama", "qwen2")
-)
+GENERATE_FAMILIES = FAMILIES if flash_window_left(WINDOW) < WINDOW else ("llama", "qwen2")
 
 
 @pytest.mark.parametrize("family", GENERATE_FAMILIES)
@@ -200,6 +200,6 @@ def test_the_window_is_the_one_flash_gets_here(guard: Any, checkpoints: Any) -> 
         checkpoints["mistral"], config=no_window, attn_implementation="eager"
     ).eval()
     got, full = logits(flash, input_ids=ids), logits(wide, input_ids=ids)
-    left = transformers_kernels.flash_window_left(WINDOW)
+    left = flash_window_left(WINDOW)
     torch.testing.assert_close(got[:, : left + 1], full[:, : left + 1], atol=2e-5, rtol=1e-4)
     assert (got[:, left + 1 :] - full[:, left + 1 :]).abs().max() > 1e-3

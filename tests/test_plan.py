@@ -70,7 +70,25 @@ def unusable(code: str) -> tuple[str, str, str]:
 VERL_RANK0 = F.InitContext(default_device="cpu", device_context="cpu")
 # (id, facts, request, settings, expected actions as (rule, event, reason_code), load with)
 # "load with" = (attn_implementation, kernels, dtype to inject, device to place on)
+ASIDE = ("flash-path-unrecognised", "observed", "flash_path_unrecognised")
 CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]], tuple]] = [
+    # --- a transformers release whose flash path attnguard does not recognise ---------------------
+    (
+        "CPU, flash-attn missing, flash path unrecognised: no backend changed",
+        machine(None),
+        req(flash_path_on_twins=False, flash_path_unrecognised="no _lazy_imports"),
+        S,
+        [ASIDE],
+        (FLASH, None, None, None),
+    ),
+    (
+        "V100, flash path unrecognised: the backend stays (placement and dtype as flash would need)",
+        machine("V100"),
+        req(flash_path_on_twins=False, flash_path_unrecognised="no _lazy_imports"),
+        S,
+        [ASIDE, PLACE, ("fp32-cast", "model_cast", "flash_needs_half")],
+        (FLASH, None, "float16", "cuda:0"),
+    ),
     # --- family A / E on GPUs that run flash: nobody chose the dtype -----------------------------
     (
         "H100 fp32 no device_map",
@@ -779,7 +797,9 @@ def test_effective_dtype() -> None:
 def test_doctor_json_plans_with_the_guard_planner() -> None:
     data = json.loads(doctor.render(as_json=True))
     here = F.current()
-    expected = plan_load(doctor._sample_request(), here, doctor._settings()).as_dict()
+    expected = plan_load(
+        doctor._sample_request(doctor.collect()["flash_path"]), here, doctor._settings()
+    ).as_dict()
     assert data["sample_plan"] == json.loads(json.dumps(expected, default=str))
     assert [r["id"] for r in data["decision_table"]] == [r.id for r in TABLE]
     assert set(data["facts"]["backends"]) == set(F.BACKENDS)
@@ -793,7 +813,9 @@ def test_doctor_text_lists_facts_table_and_plan() -> None:
     for name in F.BACKENDS:
         assert name in text
     assert "Plan for flash_attention_2 + float32 + no device_map" in text
-    plan = plan_load(doctor._sample_request(), F.current(), doctor._settings())
+    plan = plan_load(
+        doctor._sample_request(doctor.collect()["flash_path"]), F.current(), doctor._settings()
+    )
     for action in plan.actions:
         assert action.reason() in text
 

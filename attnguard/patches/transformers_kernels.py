@@ -10,87 +10,146 @@ functions (:mod:`attnguard.fallback`) instead of letting it fail, reach for a hu
 releases attends across packed sequences). Everything transformers decides stays as it is for
 that release; only the kernel changes. Why and when is decided in :mod:`attnguard.routing`.
 
-Where transformers keeps its kernel functions differs by release; :data:`LAYOUTS` is the one
-place that knows. Outside the releases it names, the flash code path is not kept (the load-time
-fallback uses transformers' own sdpa or eager path instead, and says so).
+How a release wires its flash path is read from the module itself
+(:mod:`.transformers_wiring`, never from the version number) and confirmed once, at the first
+load that needs the twins, by running transformers' own flash path on recording stand-ins of
+the twins (:mod:`.transformers_probe`). Where either finds something it does not know, the flash
+path is not kept and attnguard steps aside: the load fails as it would without attnguard, and
+one ``observed`` event (``flash_path_unrecognised``) says what was not recognised — never a
+backend that computes different numbers.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from ..patching import Ledger
-from . import minor_release
+from . import transformers_wiring
+from .transformers_wiring import GLOBALS, IS_FA3, PAD, UNPAD, Unrecognised, Wiring
 
 MODULE = "transformers.modeling_flash_attention_utils"
 SITE = "transformers.flash_kernels"
 _FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 
-# transformers minor release -> how its flash code path gets its kernel functions (checked on the
-# newest patch release of each minor; exercised by the smoke suite of the CI matrix)
-#   "globals": module globals bound at import when flash-attn is available (4.49-4.53)
-#   "lazy454": _lazy_imports(impl) -> (func, varlen, pad, unpad, is_fa3), cached in globals() by
-#              presence; asks on stdin when flash-attn fails to import (4.54)
-#   "lazy4":   _lazy_imports(implementation, ...) -> (func, varlen, pad, unpad) (4.55-5.3)
-#   "lazy5":   ... -> (func, varlen, with_kvcache, pad, unpad) (5.4-5.23)
-LAYOUTS: dict[tuple[int, int], str] = {
-    **{(4, m): "globals" for m in range(49, 54)},
-    (4, 54): "lazy454",
-    **{(4, m): "lazy4" for m in range(55, 58)},
-    **{(5, m): "lazy4" for m in range(0, 4)},
-    **{(5, m): "lazy5" for m in range(4, 24)},
-}
-# From 4.56 transformers gives flash a window of (w - 1, w - 1) for sliding_window=w; before, (w, w).
-_WINDOW_MINUS_ONE_FROM = (4, 56)
-_CACHE_GLOBALS = ("_flash_fn", "_flash_varlen_fn", "_flash_with_kvcache_fn", "_pad_fn", "_unpad_fn")
-
 ledger = Ledger("transformers_kernels")
 
 
-# --- which release ---------------------------------------------------------------------------
+class _State:
+    """What this process knows about the patched module's flash path."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.module: ModuleType | None = None
+        self.wiring: Wiring | None = None
+        self.unrecognised = "transformers' flash code path has not been read"
+        self.probe: Any = None  # transformers_probe.Result, once run
+        self.override = threading.local()  # the probe's recorders, on the probing thread only
 
 
-def _minor() -> tuple[int, int] | None:
-    return minor_release("transformers")
+_state = _State()
 
 
-def _layout_found(module: ModuleType, layout: str) -> bool:
-    """The module really has the shape the table says (a patch release could differ)."""
-    if layout == "globals":
-        return callable(getattr(module, "_flash_attention_forward", None)) and hasattr(
-            module, "_upad_input"
+# --- is the flash path kept? ---------------------------------------------------------------------
+
+
+def wiring() -> Wiring | None:
+    """The recognised wiring of the patched module (None: unread or unrecognised)."""
+    return _state.wiring
+
+
+def unrecognised() -> str:
+    """Why transformers' flash path cannot be kept on the twins in this process ("" when it can):
+    its wiring is not one attnguard recognises, or the probe found its behaviour differs."""
+    with _state.lock:
+        if _state.wiring is None or _state.module is None:
+            return _state.unrecognised
+        if _state.probe is None:
+            from . import transformers_probe
+
+            _state.probe = transformers_probe.run(_state.module, _state.wiring)
+            if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
+                ledger.unpatch_all()
+                if _state.wiring.layout != GLOBALS:
+                    _clear_lazy_cache(_state.module, _state.wiring)
+        return "" if _state.probe.ok else _state.probe.reason
+
+
+def stepped_aside(implementation: str) -> str:
+    """Why a call of ``implementation``'s flash path was left to transformers although its kernel
+    cannot run here ("" when it was not: the kernel runs, or the twins serve the path)."""
+    if not _kernel_unusable(implementation):
+        return ""
+    why = unrecognised()
+    if not why:
+        return ""
+    return (
+        "attnguard does not recognise how this transformers release wires its flash code path "
+        f"({why}), so it does not compute that path's calls"
+    )
+
+
+def installed_flash_path() -> dict[str, Any]:
+    """For ``attnguard doctor``: how a guarded run here would find the installed transformers'
+    flash path (its wiring, the window it passes, the probe's verdict). Where attnguard is not
+    active in this process, the module is patched for the check and restored after."""
+    import importlib
+
+    try:
+        importlib.import_module("transformers.modeling_utils")
+        module = importlib.import_module(MODULE)
+    except Exception as exc:
+        return {
+            "kept_on_twins": False,
+            "why": f"transformers does not import ({type(exc).__name__})",
+        }
+    ours = _state.module is None
+    if ours:
+        patch(module)
+    try:
+        why, wired = unrecognised(), _state.wiring
+        offset = getattr(_state.probe, "window_offset", None) or getattr(
+            wired, "window_offset", None
         )
-    lazy = getattr(module, "_lazy_imports", None)
-    if not callable(lazy):
-        return False
-    lazy = getattr(lazy, "__wrapped__", lazy)  # ours, once patched
-    names = getattr(getattr(lazy, "__code__", None), "co_varnames", ())
-    return ("flash_attn_with_kvcache" in names) == (layout == "lazy5")
+        return {
+            "kept_on_twins": not why,
+            "why": why,
+            "wiring": wired.describe() if wired is not None else None,
+            "window_size": None if offset is None else f"(w{offset[0]:+d}, w{offset[1]:+d})",
+            "probe_cases": list(getattr(_state.probe, "cases", ())),
+        }
+    finally:
+        if ours:
+            unpatch()
 
 
 def covers(model_class: type | None = None) -> bool:
     """True when transformers' flash code path can run on the twins in this process (for
     ``model_class``: before 4.54 only models whose attention goes through the registry call the
     patched functions; Qwen2-VL and others bind flash-attn's functions in their own module)."""
-    layout = LAYOUTS.get(_minor() or (0, 0))
-    if layout is None:
+    if unrecognised():
         return False
-    module = sys.modules.get(MODULE)
-    if module is not None and not _layout_found(module, layout):
-        return False
-    if layout == "globals" and model_class is not None:
+    wired = _state.wiring
+    if wired is not None and wired.layout == GLOBALS and model_class is not None:
         return bool(getattr(model_class, "_supports_attention_backend", False))
     return True
 
 
-def flash_window_left(sliding_window: int) -> int:
-    """The left edge of flash's window_size that transformers passes for ``sliding_window``."""
-    minor = _minor() or (0, 0)
-    return sliding_window - 1 if minor >= _WINDOW_MINUS_ONE_FROM else sliding_window
+def flash_window(sliding_window: int) -> tuple[int, int] | None:
+    """flash's ``window_size`` that transformers' flash path passes for ``sliding_window``
+    (recorded by the probe, else read from the module); None when unknown."""
+    probe = _state.probe
+    offset = getattr(probe, "window_offset", None)
+    if offset is None and _state.wiring is not None:
+        offset = _state.wiring.window_offset
+    if offset is None:
+        return None
+    return sliding_window + offset[0], sliding_window + offset[1]
 
 
 # --- the twins, and saying so -------------------------------------------------------------------
@@ -170,49 +229,66 @@ def _own(module: ModuleType, *names: str) -> Any:
     return None
 
 
-# --- lazy layouts (4.54+) ---------------------------------------------------------------------
+# --- the lazy layout -------------------------------------------------------------------------
 
 
-def _make_lazy_imports(original: Callable[..., Any], layout: str, module: ModuleType) -> Any:
+def _implementation(wired: Wiring, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name, index = wired.implementation_param
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _kernels_for(module: ModuleType) -> dict[str, Any]:
+    """The twins by role; pad/unpad: the release's own torch helpers where it has them."""
+    t = _twins()
+    return {
+        **t,
+        PAD: _own(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
+        UNPAD: _own(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
+        IS_FA3: False,  # 4.54's flag: flash-attn 2's keyword arguments (dropout_p)
+    }
+
+
+def kernels_by_role() -> dict[str, Any]:
+    """The functions the flash path is handed here, by role (the probe records these)."""
+    module = _state.module
+    if module is None:
+        raise Unrecognised("the flash path is not patched")
+    return {role: fn for role, fn in _kernels_for(module).items() if callable(fn)}
+
+
+def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: ModuleType) -> Any:
     @functools.wraps(original)
-    def _lazy_imports(implementation: Any = None, *args: Any, **kwargs: Any) -> Any:
-        try:
-            twins = _kernel_unusable(implementation)
-        except Exception as exc:  # our probe failed: transformers decides as it would alone
-            from ..patching import report_internal_error
+    def _lazy_imports(*args: Any, **kwargs: Any) -> Any:
+        kernels = getattr(_state.override, "kernels", None)  # the probe's, on its thread
+        if kernels is None:
+            implementation = _implementation(wired, args, kwargs)
+            try:
+                twins = _kernel_unusable(implementation)
+            except Exception as exc:  # our probe failed: transformers decides as it would alone
+                from ..patching import report_internal_error
 
-            report_internal_error(SITE, exc)
-            twins = False
-        if not twins:
-            return original(implementation, *args, **kwargs)
-        _announce((implementation or "flash_attention_2").split("|", 1)[-1])
-        t = _twins()
-        pad = _own(module, "_pad_input", "_fa3_pad_input") or t["pad_input"]
-        unpad = _own(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"]
-        func, varlen = t["flash_attn_func"], t["flash_attn_varlen_func"]
-        if layout == "lazy5":
-            return func, varlen, t["flash_attn_with_kvcache"], pad, unpad
-        if layout == "lazy454":
-            return func, varlen, pad, unpad, False  # False: flash-attn 2's kwargs (dropout_p)
-        return func, varlen, pad, unpad
+                report_internal_error(SITE, exc)
+                twins = False
+            if not twins or unrecognised():  # the first such call runs the probe
+                return original(*args, **kwargs)
+            _announce((implementation or "flash_attention_2").split("|", 1)[-1])
+            kernels = _kernels_for(module)
+        return tuple(kernels[role] for role in wired.returns)
 
     return _lazy_imports
 
 
-def _clear_lazy_cache(module: ModuleType, layout: str) -> None:
-    """Forget kernels resolved before (or, at unpatch, while) attnguard was active."""
-    if layout == "lazy454":  # cached by presence in globals()
-        for name in (*_CACHE_GLOBALS, "_is_fa3", "_flash_supports_window"):
+def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
+    """Forget kernels resolved before (or, at unpatch, while) attnguard was active: the globals
+    the release caches them in are emptied, so its next flash call resolves them again."""
+    for name in wired.caches:
+        if wired.cached_by_presence:
             vars(module).pop(name, None)
-        return
-    if hasattr(module, "_loaded_implementation"):
-        module._loaded_implementation = None
-    for name in (*_CACHE_GLOBALS, "_process_flash_kwargs_fn", "_process_with_kvcache_kwargs_fn"):
-        if getattr(module, name, None) is not None:
+        elif getattr(module, name, None) is not None:
             setattr(module, name, None)
 
 
-# --- the globals layout (4.49-4.53) -------------------------------------------------------------
+# --- the globals layout ---------------------------------------------------------------------------
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -222,6 +298,8 @@ def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(twin)
     def kernel(*args: Any, **kwargs: Any) -> Any:
         if not said[0]:
+            if unrecognised():  # the probe failed: the release's own None global, called
+                raise TypeError("'NoneType' object is not callable")
             said[0] = True
             _announce("flash_attention_2")
         return twin(*args, **kwargs)
@@ -229,27 +307,14 @@ def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
     return kernel
 
 
-# global name -> twin (4.49-4.52 bind the first five; 4.53 binds FA2's under *_2_* / *_fa2 names
-# and the generic ones only when a flash-attn is available)
-_KERNEL_GLOBALS = {
-    "flash_attn_func": "flash_attn_func",
-    "flash_attn_varlen_func": "flash_attn_varlen_func",
-    "flash_attn_2_func": "flash_attn_func",
-    "flash_attn_2_varlen_func": "flash_attn_varlen_func",
-}
-_PADDING_GLOBALS = {
-    "pad_input": "pad_input",
-    "unpad_input": "unpad_input",
-    "index_first_axis": "index_first_axis",
-    "pad_input_fa2": "pad_input",
-    "unpad_input_fa2": "unpad_input",
-}
+# 4.53 binds FA2's functions under *_2_* / *_fa2 names and the generic ones only when a
+# flash-attn is available: those names are bound only where the release declares them
 _ONLY_WHERE_DECLARED = ("flash_attn_2_func", "flash_attn_2_varlen_func", "pad_input_fa2")
 _ONLY_WHERE_DECLARED += ("unpad_input_fa2",)
 _MISSING = object()
 
 
-def _patch_globals(module: ModuleType) -> None:
+def _patch_globals(module: ModuleType, wired: Wiring) -> None:
     """Releases that bind flash-attn's functions at import: bind what is missing (or None) to
     the twins (flash-attn was not available when transformers was imported), and replace
     unguarded copies of flash-attn's functions by the guarded ones (transformers imported
@@ -257,36 +322,90 @@ def _patch_globals(module: ModuleType) -> None:
     flash = sys.modules.get("flash_attn")
     twins = _twins()
     bound = False
-    for name, twin_name in {**_KERNEL_GLOBALS, **_PADDING_GLOBALS}.items():
+    for name in wired.kernel_globals:
+        role = (
+            transformers_wiring.KERNEL_GLOBALS.get(name)
+            or transformers_wiring.PADDING_GLOBALS[name]
+        )
         current = vars(module).get(name, _MISSING)
         if current is _MISSING and name in _ONLY_WHERE_DECLARED:
             continue  # not a name this release uses
-        twin = twins[twin_name]
+        twin = twins[role]
+        kernel = name in transformers_wiring.KERNEL_GLOBALS
         if (current is None or current is _MISSING) and twin is not None:
-            kernel = name in _KERNEL_GLOBALS
             ledger.patch(module, name, lambda _o, _t=twin, _k=kernel: _announcing(_t) if _k else _t)
             bound = bound or kernel
-        elif name in _KERNEL_GLOBALS and current is not _MISSING and flash is not None:
-            guarded = getattr(flash, twin_name, None)
+        elif kernel and current is not _MISSING and flash is not None:
+            guarded = getattr(flash, role, None)
             if getattr(guarded, "__attnguard_original__", None) is current:
                 ledger.patch(module, name, lambda _o, _g=guarded: _g)
     if bound and not vars(module).get("_flash_supports_window_size"):
         ledger.patch(module, "_flash_supports_window_size", lambda _o: True)
 
 
+# --- the probe's hand-in ----------------------------------------------------------------------------
+
+
+@contextmanager
+def handing(kernels: dict[str, Any]) -> Iterator[None]:
+    """While open, transformers' flash path on this thread gets ``kernels`` (by role) instead of
+    the twins: the probe's recording stand-ins (:mod:`.transformers_probe`)."""
+    module, wired = _state.module, _state.wiring
+    if module is None or wired is None:
+        raise Unrecognised("the flash path is not patched")
+    if wired.layout != GLOBALS:
+        _state.override.kernels = {**_kernels_for(module), **kernels}
+        _clear_lazy_cache(module, wired)
+        try:
+            yield
+        finally:
+            _state.override.kernels = None
+            _clear_lazy_cache(module, wired)
+        return
+    saved = {
+        n: vars(module).get(n, _MISSING)
+        for n in (*wired.kernel_globals, "_flash_supports_window_size")
+    }
+    roles = {**transformers_wiring.KERNEL_GLOBALS, **transformers_wiring.PADDING_GLOBALS}
+    try:
+        for name in wired.kernel_globals:
+            if roles[name] in kernels:
+                setattr(module, name, kernels[roles[name]])
+        module._flash_supports_window_size = True  # type: ignore[attr-defined]
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                vars(module).pop(name, None)
+            else:
+                setattr(module, name, value)
+
+
 # --- patch / unpatch ----------------------------------------------------------------------------
 
 
 def patch(module: ModuleType) -> None:
-    """Hand transformers' flash code path the twins where flash-attn's kernel cannot run."""
-    layout = LAYOUTS.get(_minor() or (0, 0))
-    if layout is None or not _layout_found(module, layout):
+    """Hand transformers' flash code path the twins where flash-attn's kernel cannot run, if its
+    wiring is one attnguard recognises (otherwise remember why not)."""
+    with _state.lock:
+        _state.module, _state.probe = module, None
+        try:
+            wired = transformers_wiring.read(module)
+        except Unrecognised as exc:
+            _state.wiring, _state.unrecognised = None, str(exc)
+            return
+        except Exception as exc:  # reading a module we do not know: not recognised, say why
+            _state.wiring = None
+            _state.unrecognised = f"reading it failed ({type(exc).__name__})"
+            return
+        _state.wiring, _state.unrecognised = wired, ""
+    if wired.layout == GLOBALS:
+        _patch_globals(module, wired)
         return
-    if layout == "globals":
-        _patch_globals(module)
-        return
-    ledger.patch(module, "_lazy_imports", lambda o: _make_lazy_imports(o, layout, module))
-    _clear_lazy_cache(module, layout)
+    ledger.patch(
+        module, transformers_wiring.LAZY_FUNCTION, lambda o: _make_lazy_imports(o, wired, module)
+    )
+    _clear_lazy_cache(module, wired)
 
 
 def preload(implementation: str) -> None:
@@ -302,7 +421,9 @@ def unpatch() -> None:
     """Restore every original this module replaced; the lazy cache re-resolves unguarded."""
     ledger.unpatch_all()
     _announced.clear()
-    module = sys.modules.get(MODULE)
-    layout = LAYOUTS.get(_minor() or (0, 0))
-    if module is not None and layout is not None and layout != "globals":
-        _clear_lazy_cache(module, layout)
+    with _state.lock:
+        module, wired = _state.module, _state.wiring
+        _state.module, _state.wiring, _state.probe = None, None, None
+        _state.unrecognised = "transformers' flash code path has not been read"
+    if module is not None and wired is not None and wired.layout != GLOBALS:
+        _clear_lazy_cache(module, wired)
