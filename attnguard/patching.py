@@ -146,6 +146,28 @@ def own_location(exc: BaseException) -> str:
     return where
 
 
+def signature_unrecognised(original: Any, twin: Any) -> str | None:
+    """Why ``original`` (a library's entry point) is not the function ``twin`` stands for, judged
+    by its shape: a parameter the twin does not take, or positional parameters in another order
+    (a newer release can add or move either). None: the twin takes every call of it."""
+    import inspect
+
+    try:
+        theirs = inspect.signature(original).parameters
+        ours = inspect.signature(twin).parameters
+    except (TypeError, ValueError):
+        return "its signature is not readable"
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    new = [n for n, p in theirs.items() if p.kind not in variadic and n not in ours]
+    if new:
+        return f"it takes {', '.join(new)}, which attnguard's twin does not"
+    order = [n for n, p in theirs.items() if p.kind in positional]
+    if [n for n, p in ours.items() if p.kind in positional][: len(order)] != order:
+        return "its positional parameters are not in the order attnguard's twin takes them"
+    return None
+
+
 def report_internal_error(site: str, exc: BaseException) -> None:
     """One ``internal_error`` event per (site, exception type). Never raises: reporting our own
     failure must not fail the call it happened in (a logging handler that raises).

@@ -393,3 +393,119 @@ def test_var_attention_through_flash_attn(flash_standin):
     assert out.dtype == BF16
     torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
     assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
+
+
+# --- flash-attn / xformers releases past the newest tested one (issue 26) ---------------------
+
+_NEWER_CHECK = (
+    "import json, attnguard\n"
+    "from attnguard import events\n"
+    "with events.capture() as seen:\n"
+    "    import flash_attn\n"
+    "print(json.dumps({\n"
+    "    'version': __import__('importlib').metadata.version('flash_attn'),\n"
+    "    'guarded': {n: hasattr(getattr(flash_attn, n), '__attnguard_original__')\n"
+    "                for n in ('flash_attn_func', 'flash_attn_varlen_func')},\n"
+    "    'events': [[e['event'], e['reason_code'], e['site']] for e in seen]}))\n"
+)
+
+
+def _newer_standin(tmp_path: Path, version: str, edit: tuple[str, str] | None) -> Path:
+    """The stand-in as a flash-attn release ``version``, its source changed by ``edit``."""
+    import shutil
+
+    root = tmp_path / version
+    shutil.copytree(STANDINS / "flash_attn", root / "flash_attn")
+    shutil.copy(STANDINS / "_flash_attn_standin_ops.py", root)
+    dist = root / f"flash_attn-{version}.dist-info"
+    shutil.copytree(STANDINS / "flash_attn-2.8.3.dist-info", dist)
+    meta = dist / "METADATA"
+    meta.write_text(meta.read_text().replace("Version: 2.8.3", f"Version: {version}"))
+    if edit is not None:
+        interface = root / "flash_attn" / "flash_attn_interface.py"
+        text = interface.read_text()
+        assert edit[0] in text
+        interface.write_text(text.replace(edit[0], edit[1], 1))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("version", "edit", "func_guarded"),
+    [
+        ("2.99.0", None, True),  # a number nobody tested, the same functions: guarded
+        # a release whose flash_attn_func takes a new parameter: that one is left alone
+        (
+            "2.9.1",
+            (
+                "    return_attn_probs=False,\n):",
+                "    return_attn_probs=False,\n    sink=None,\n):",
+            ),
+            False,
+        ),
+    ],
+)
+def test_a_newer_flash_attn_is_guarded_by_its_shape(tmp_path, version, edit, func_guarded):
+    root = _newer_standin(tmp_path, version, edit)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(repo), str(root), os.environ.get("PYTHONPATH", "")]),
+        ATTNGUARD_LOG="none",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _NEWER_CHECK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    got = __import__("json").loads(out.stdout.splitlines()[-1])
+    assert got["version"] == version
+    assert got["guarded"] == {"flash_attn_func": func_guarded, "flash_attn_varlen_func": True}
+    said = [e for e in got["events"] if e[1] == "signature_unrecognised"]
+    if func_guarded:
+        assert said == []
+    else:
+        assert said == [["observed", "signature_unrecognised", "flash_attn.flash_attn_func"]]
+
+
+def test_a_newer_xformers_signature_is_left_alone(xformers_ops):
+    """xformers 0.0.35's memory_efficient_attention is the twin's shape (guarded); the same
+    function with a parameter the twin does not take, as a newer release might add, is not:
+    re-patching leaves it as it is and says so once."""
+    import functools
+
+    from attnguard.patches import xformers as patch_xformers
+
+    fmha = xformers_ops.fmha
+    assert hasattr(xformers_ops.memory_efficient_attention, "__attnguard_original__")
+    original = xformers_ops.memory_efficient_attention.__attnguard_original__
+
+    @functools.wraps(original)
+    def newer(
+        query,
+        key,
+        value,
+        attn_bias=None,
+        p=0.0,
+        scale=None,
+        *,
+        op=None,
+        output_dtype=None,
+        window=None,
+    ):
+        return original(query, key, value, attn_bias, p, scale, op=op, output_dtype=output_dtype)
+
+    del newer.__wrapped__  # its own signature, not the wrapped one's
+    patch_xformers.unpatch()
+    saved = xformers_ops.memory_efficient_attention, fmha.memory_efficient_attention
+    xformers_ops.memory_efficient_attention = fmha.memory_efficient_attention = newer
+    try:
+        with events.capture() as seen:
+            patch_xformers.patch(xformers_ops)
+        assert xformers_ops.memory_efficient_attention is newer
+        assert fmha.memory_efficient_attention is newer
+        said = [(e["event"], e["reason_code"]) for e in seen]
+        assert said == [("observed", "signature_unrecognised")]
+        assert "window" in seen[0]["reason"]
+    finally:
+        patch_xformers.unpatch()
+        xformers_ops.memory_efficient_attention, fmha.memory_efficient_attention = saved
+        patch_xformers.patch(xformers_ops)

@@ -6,6 +6,11 @@
 ``from flash_attn.flash_attn_interface import flash_attn_func`` in user code, run after attnguard
 is active, bind the guarded closures (:func:`attnguard.callguard.wrap_direct`). When the kernel
 cannot run a call, its SDPA twin from :mod:`attnguard.fallback` does, with the same call shape.
+
+A function is guarded only where its shape is the one its twin takes (every parameter, the
+positional order: :func:`attnguard.patching.signature_unrecognised`), whatever flash-attn's
+version number says; a release that adds a parameter leaves that function unguarded, and one
+``observed`` event (``signature_unrecognised``) says so.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .. import callguard, routing
-from ..patching import Ledger
+from .. import callguard, events, routing
+from ..patching import Ledger, signature_unrecognised
 
 ledger = Ledger("flash_attn")
 
@@ -53,12 +58,18 @@ def patch(module: ModuleType) -> None:
     from ..fallback import FLASH_FUNCTIONS
 
     wrappers: dict[int, Any] = {}  # id(original) -> wrapper: one closure per function
+    refused: dict[int, bool] = {}  # id(original) -> not the shape its twin takes
     for name in callguard.FLASH_TENSOR_PARAMS:
         if name not in FLASH_FUNCTIONS:
             continue  # no twin to carry the calls the kernel cannot take
         for owner in owners:
             original = getattr(owner, name, None)
             if not callable(original):
+                continue
+            if id(original) not in refused:
+                site, twin = f"flash_attn.{name}", FLASH_FUNCTIONS[name]
+                refused[id(original)] = unrecognised_entry(site, original, twin)
+            if refused[id(original)]:
                 continue
 
             def make(orig: Any, _name: str = name) -> Any:
@@ -68,6 +79,23 @@ def patch(module: ModuleType) -> None:
                 return wrapper
 
             ledger.patch(owner, name, make)
+
+
+def unrecognised_entry(site: str, original: Any, twin: Any) -> bool:
+    """True, after one ``observed`` event, when ``original`` is not shaped as ``twin`` takes it:
+    that entry point stays as the library wrote it."""
+    original = getattr(original, "__attnguard_original__", original)
+    why = signature_unrecognised(original, twin)
+    if why is None:
+        return False
+    events.emit(
+        "observed",
+        site=site,
+        reason_code="signature_unrecognised",
+        reason=f"{site}: {why}; left unguarded (attnguard does not guess at a function it has "
+        "not seen)",
+    )
+    return True
 
 
 def unpatch() -> None:

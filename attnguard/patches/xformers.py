@@ -3,7 +3,8 @@ imported, on both ``xformers.ops`` and ``xformers.ops.fmha``.
 
 Mixed q/k/v (and bias) dtypes are unified; when the kernel cannot run (CPU tensors, ops that did
 not load next to this torch: "No operator found for `memory_efficient_attention_forward`") the
-SDPA twin from :mod:`attnguard.fallback` carries the call, bias objects included.
+SDPA twin from :mod:`attnguard.fallback` carries the call, bias objects included. Guarded only
+where its signature is the one the twin takes (see :mod:`.flash_attn`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from .. import callguard, routing
 from ..patching import Ledger
+from .flash_attn import unrecognised_entry
 
 ledger = Ledger("xformers")
 SITE = "xformers.memory_efficient_attention"
@@ -46,6 +48,10 @@ def patch(module: ModuleType) -> None:
     for owner in owners:
         original = getattr(owner, "memory_efficient_attention", None)
         if not callable(original):
+            continue
+        from ..fallback import xformers_memory_efficient_attention
+
+        if unrecognised_entry(SITE, original, xformers_memory_efficient_attention):
             continue
 
         def make(orig: Any) -> Any:
