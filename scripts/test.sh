@@ -16,6 +16,7 @@
 # Then it runs pytest with any arguments given.
 #
 #   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
+#   TEST_DEPS_DIR=/elsewhere bash scripts/test.sh       # .test-deps/ somewhere else (CI streams)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,7 +24,7 @@ TORCH="torch==2.13.0"
 pin=()
 [ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
 "$PY" -m pip install -q "$TORCH" "${pin[@]}" -e ".[test]"
-deps="$PWD/.test-deps"
+deps="${TEST_DEPS_DIR:-$PWD/.test-deps}" # CI gives each of its parallel streams its own
 py=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])') # compiled parts differ
 
 xformers="$deps/xformers-0.0.35-$py"
