@@ -375,7 +375,8 @@ def _register() -> tuple[Any, Any, Any]:
         return None, None, None
     try:
         lib = torch.library.Library("attnguard", "FRAGMENT")
-        lib.define(_FORWARD_SCHEMA)
+        # dropout draws from torch's generator, as aten's op does: never merged or reordered
+        lib.define(_FORWARD_SCHEMA, tags=(torch.Tag.nondeterministic_seeded,))
         lib.define(_BACKWARD_SCHEMA)
         lib.impl("flash_attention_deterministic", _forward_impl, "CUDA")
         lib.impl("flash_attention_deterministic_backward", _backward_impl, "CUDA")

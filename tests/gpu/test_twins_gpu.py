@@ -6,6 +6,12 @@ inputs as the real flash-attn 2.8.3 function and must agree: ``out`` within 2e-2
 ``flash_attn_with_kvcache`` the KV caches must hold what the kernel wrote (bit-identical; with
 rotary within one rounding step of the dtype, as the kernel may fuse the float32 multiply-adds).
 
+Determinism (flash-attn's ``deterministic=True``; ``torch.use_deterministic_algorithms(True)``):
+repeated forward+backward passes of the same dense and packed calls (several lengths, head dims
+64-256, bf16 and fp16, dropout with the RNG reseeded) must give bitwise-equal outputs and
+gradients, on the table's deterministic rows, with torch's flag left as it was; also compiled
+whole. These need no flash-attn, except the comparison with its ``deterministic=True`` kernel.
+
 Needs the real package with its CUDA extension (``flash_attn_2_cuda``) in
 $TEST_REAL_FLASH_ATTN_DIR (the unpacked wheel; scripts/gpu_suite.sh sets it), put on sys.path by
 this module; the stand-in from tests/standins never counts. Skipped with the reason otherwise.
