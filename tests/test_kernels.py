@@ -322,7 +322,7 @@ def test_xformers_blocks_on_torch_flash(emulated, kind):
 
 
 def test_a_deterministic_call_on_a_gpu_never_reaches_sdpa_without_torchs_flag():
-    """SDPA's GPU backwards (cuDNN, memory-efficient) add with atomics unless torch's own flag
+    """SDPA's GPU backwards (cuDNN, memory-efficient) are not reproducible unless torch's own flag
     is on; a call without deterministic=True routes as before, whatever the flags."""
     windows = [(-1, -1), (-1, 0), (3, 0)]
     for ok, w, (sq, sk), cap, alibi, lse, torch_det, gpu in itertools.product(

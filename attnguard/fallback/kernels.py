@@ -31,8 +31,8 @@ Of torch's GPU attention kernels, torch's flash kernel has such a mode (flash-at
 accumulated per split, summed in a fixed order), which aten switches on only under
 ``torch.use_deterministic_algorithms(True)`` (not warn-only): :mod:`.torch_flash` runs that
 backward with torch's flag set for the one call. The memory-efficient kernel's backward is
-deterministic under torch's flag too (one key split); cuDNN's has no deterministic mode (under
-torch's flag SDPA's dispatcher does not choose it; warn-only, it warns). So a call that asks
+deterministic under torch's flag too (one key split); torch runs cuDNN's with no deterministic
+mode (under torch's flag SDPA's dispatcher does not choose it; warn-only, it warns). So a call that asks
 for determinism goes to torch's flash kernel where it can run; elsewhere on a GPU, SDPA's
 dispatcher serves it only under torch's flag, and the explicit path (matmuls and a softmax,
 reproducible) otherwise. On CPU SDPA's kernels are reproducible run to run anyway. Under
@@ -95,7 +95,8 @@ TABLE: tuple[Route, ...] = (
         "torch_flash",
         "deterministic=True (a reproducible backward), no ALiBi, torch's flash kernel can run",
         "its backward has flash-attn's deterministic mode (run with torch's deterministic flag "
-        "for that call); SDPA's dispatcher would pick cuDNN on Hopper, whose backward has none",
+        "for that call); SDPA's dispatcher would pick cuDNN on Hopper, whose backward torch runs "
+        "with no deterministic mode",
     ),
     Route(
         "dense-deterministic",
@@ -103,8 +104,8 @@ TABLE: tuple[Route, ...] = (
         "explicit",
         "deterministic=True on a GPU where torch's flash kernel cannot run (fp32, ALiBi, before "
         "sm80), torch's deterministic flag off",
-        "SDPA's memory-efficient and cuDNN backwards add with atomics unless torch's flag is on; "
-        "matmuls and a softmax reproduce bit for bit",
+        "SDPA's GPU backwards reproduce only under torch's flag (no cuDNN, memory-efficient with "
+        "one key split); matmuls and a softmax reproduce bit for bit",
     ),
     Route(
         "dense-plain",
