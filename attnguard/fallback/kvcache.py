@@ -189,7 +189,6 @@ def flash_attn_with_kvcache(
     )
     b, sq, h, d = q.shape
     check_alibi(alibi_slopes, b, h)
-    dev, cdev = q.device, k_cache.device
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     window = normalize_window(window_size, causal, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
@@ -230,6 +229,7 @@ def flash_attn_with_kvcache(
             return out, lse
         return out
 
+    dev, cdev = q.device, k_cache.device
     if cache_seqlens is None:
         seqlens = torch.full((b,), capacity, dtype=torch.long, device=dev)
     elif isinstance(cache_seqlens, Tensor):
