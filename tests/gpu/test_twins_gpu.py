@@ -596,8 +596,11 @@ def _pack_case(pack, dtype):
 
 
 @pytest.fixture
-def torch_deterministic():
-    """torch.use_deterministic_algorithms(True) for one test, the caller's setting restored."""
+def torch_deterministic(monkeypatch):
+    """torch.use_deterministic_algorithms(True) for one test, the caller's setting restored;
+    with the cuBLAS workspace setting torch then demands of any matmul (as a training recipe that
+    asks for determinism sets it, e.g. transformers' enable_full_determinism)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     before = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
