@@ -32,10 +32,10 @@ accumulated per split, summed in a fixed order), which aten switches on only und
 ``torch.use_deterministic_algorithms(True)`` (not warn-only): :mod:`.torch_flash` runs that
 backward with torch's flag set for the one call. The memory-efficient kernel's backward is
 deterministic under torch's flag too (one key split); torch runs cuDNN's with no deterministic
-mode (under torch's flag SDPA's dispatcher does not choose it; warn-only, it warns). So a call that asks
-for determinism goes to torch's flash kernel where it can run; elsewhere on a GPU, SDPA's
-dispatcher serves it only under torch's flag, and the explicit path (matmuls and a softmax,
-reproducible) otherwise. On CPU SDPA's kernels are reproducible run to run anyway. Under
+mode (under torch's flag SDPA's dispatcher does not choose it; warn-only, it warns). So a call
+that asks for determinism goes to torch's flash kernel where it can run; elsewhere on a GPU,
+SDPA's dispatcher serves it only under torch's flag, and the explicit path (matmuls and a
+softmax, reproducible) otherwise. On CPU SDPA's kernels are reproducible run to run anyway. Under
 ``torch.use_deterministic_algorithms(True)`` without ``deterministic=True``, torch's kernels
 themselves keep the promise (a warn-only flag warns, as torch does).
 

@@ -134,7 +134,8 @@ def attention(
     q (total_q, H, D), k/v (total_k, Hk, D) with int32 cu_seqlens on q's device.
 
     ``window`` is flash-attn's normalised (left, right); (-1, 0) is causal. ``deterministic``:
-    the backward pass runs in the kernel's deterministic mode (:func:`_deterministic_forward`).
+    the backward pass runs in the kernel's deterministic mode ("the deterministic backward"
+    below).
     Returns (out in q's layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
     """
     d = q.shape[-1]
