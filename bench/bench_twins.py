@@ -676,7 +676,7 @@ def main() -> int:
         print(f"flash-attn {flash_attn.__version__} (the real kernel)")
     if DRY:
         print(
-            "DRY RUN on CPU: attnguard's twins stand in for the real kernel; no timing here means anything"
+            "DRY RUN on CPU: the twins stand in for the real kernel; no timing here means anything"
         )
     print(f"rounds {args.rounds}, iters {args.iters}; ratio = real (or sdpa) time / twin time")
     print("| measured | real ms | twin ms | ratio [min, max] |")

@@ -135,8 +135,7 @@ def attention(
 
     ``window`` is flash-attn's normalised (left, right); (-1, 0) is causal. ``deterministic``:
     the backward pass runs in the kernel's deterministic mode ("the deterministic backward"
-    below).
-    Returns (out in q's layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
+    below). Returns (out in q's layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
     """
     d = q.shape[-1]
     pad = (-d) % 8
