@@ -31,7 +31,10 @@ Conventions kept from the real kernels:
   rows like flash-attn; the third item (flash-attn's debug ``S_dmask``, which is empty unless
   dropout is on) is always ``None``. With causal ALiBi, flash-attn's own kernel drops the
   row-constant part of the bias, so its lse differs from ours by that constant; ``out`` agrees.
-* ``deterministic`` is accepted and ignored (the forward pass is deterministic anyway).
+* ``deterministic=True`` keeps flash-attn's promise of a bitwise-reproducible backward pass (the
+  forward pass is reproducible anyway): torch's flash kernel in its deterministic mode where it
+  can run, elsewhere kernels that reproduce (:mod:`attnguard.fallback.kernels`). Under
+  ``torch.use_deterministic_algorithms(True)`` torch's own kernels keep that promise.
 * ``torch.compile(fullgraph=True)`` traces every function as one graph: mask decisions are
   made from shapes and window values, never from tensor values. Where torch's flash kernel
   serves a varlen call it needs no host read at all; elsewhere ``flash_attn_varlen_func`` reads

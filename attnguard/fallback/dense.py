@@ -30,12 +30,14 @@ def flash_core(
     alibi_slopes: Tensor | None,
     need_lse: bool,
     lens: tuple[Tensor, Tensor] | None = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window.
 
     ``lens`` = (len_q, len_k), int64 (B,) tensors, marks a padded batch: sequence ``b`` holds
     only its first len_q[b] queries and len_k[b] keys, its mask is aligned to its own lengths
-    and the output rows past len_q[b] are meaningless.
+    and the output rows past len_q[b] are meaningless. ``deterministic``: flash-attn's promise
+    of a bitwise-reproducible backward pass (:mod:`attnguard.fallback.kernels` says how).
     """
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -53,21 +55,41 @@ def flash_core(
         out = q.new_zeros(b, sq, h, v.shape[-1])
         lse = torch.full((b, h, sq), math.inf, dtype=torch.float32, device=q.device)
         return out, (lse if need_lse else None)
+    # read only where it matters (under torch.compile the read is a guard of the graph)
+    torch_deterministic = deterministic and torch.are_deterministic_algorithms_enabled()
+    explicit = False
     if lens is None:
         route = kernels.dense(
-            flash_ok=torch_flash.can_run(q, k, v, window=torch_flash.windowed(window)),
+            flash_ok=torch_flash.can_run(
+                q, k, v, window=torch_flash.windowed(window), deterministic=deterministic
+            ),
             window=window,
             sq=sq,
             sk=sk,
             softcap=softcap,
             alibi=alibi_slopes is not None,
             need_lse=need_lse,
+            deterministic=deterministic,
+            torch_deterministic=torch_deterministic,
+            gpu=q.is_cuda,
         )
-        if kernels.ROUTES[route].kernel == "torch_flash":
+        kernel = kernels.ROUTES[route].kernel
+        if kernel == "torch_flash":
             out, lse = torch_flash.attention(
-                q, k, v, None, None, sq, sk, dropout_p=dropout_p, scale=scale, window=window
+                q,
+                k,
+                v,
+                None,
+                None,
+                sq,
+                sk,
+                dropout_p=dropout_p,
+                scale=scale,
+                window=window,
+                deterministic=deterministic,
             )
             return out, (lse if need_lse else None)
+        explicit = kernel == "explicit"
         if route == "dense-plain" and right == 0:  # causal with Sq == Sk: SDPA's own mask
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             out = sdpa(qt, kt, vt, None, dropout_p, True, scale)
@@ -83,6 +105,9 @@ def flash_core(
                 return alibi_bias(slopes, r0, r1, sq, sk, dtype)
 
     else:
+        explicit = not kernels.sdpa_reproducible(
+            deterministic=deterministic, torch_deterministic=torch_deterministic, gpu=q.is_cuda
+        )
         keep, empty, rel = padded_band(lens[0], lens[1], sq, sk, left, right)
         if alibi_slopes is not None:
             slopes4 = alibi_slopes.to(q.device).reshape(-1, h, 1, 1)
@@ -101,6 +126,7 @@ def flash_core(
         softcap=softcap,
         dropout_p=dropout_p,
         need_lse=need_lse,
+        explicit=explicit,
     )
     return out.transpose(1, 2).contiguous(), lse
 
@@ -133,6 +159,7 @@ def flash_attn_func(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         need_lse=return_attn_probs,
+        deterministic=deterministic,
     )
     if return_attn_probs:
         assert lse is not None

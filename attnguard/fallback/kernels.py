@@ -18,12 +18,26 @@ The kernels, fastest first where they apply:
 * ``sdpa_mask``: SDPA with a boolean keep-mask and/or an additive float bias: windows, bottom-
   right causality, ALiBi and padded batches where torch's flash kernel cannot run (CPU, fp32,
   old GPUs) or ALiBi is asked for (memory-efficient or math backend).
-* ``explicit``: softmax attention written out in float32 (query rows in chunks): softcap, and the
-  softmax LSE where torch's flash kernel cannot give it.
+* ``explicit``: softmax attention written out in float32 (query rows in chunks): softcap, the
+  softmax LSE where torch's flash kernel cannot give it, and a reproducible backward where
+  neither torch's flash kernel nor torch's deterministic flag gives one.
 * ``per_sequence``: a packed call split at ``cu_seqlens`` (read on the host) into batches of
   equal-length sequences, each computed as a dense call (rows above).
 * ``padded``: a packed call gathered into a padded (sequences x max_seqlen) batch with masks per
   sequence, nothing read on the host (torch.compile, KV caches the fast path cannot take).
+
+Determinism. flash-attn's ``deterministic=True`` promises a bitwise-reproducible backward pass.
+Of torch's GPU attention kernels, torch's flash kernel has such a mode (flash-attn's own: dq
+accumulated per split, summed in a fixed order), which aten switches on only under
+``torch.use_deterministic_algorithms(True)`` (not warn-only): :mod:`.torch_flash` runs that
+backward with torch's flag set for the one call. The memory-efficient kernel's backward is
+deterministic under torch's flag too (one key split); torch runs cuDNN's with no deterministic
+mode (under torch's flag SDPA's dispatcher does not choose it; warn-only, it warns). So a call
+that asks for determinism goes to torch's flash kernel where it can run; elsewhere on a GPU,
+SDPA's dispatcher serves it only under torch's flag, and the explicit path (matmuls and a
+softmax, reproducible) otherwise. On CPU SDPA's kernels are reproducible run to run anyway. Under
+``torch.use_deterministic_algorithms(True)`` without ``deterministic=True``, torch's kernels
+themselves keep the promise (a warn-only flag warns, as torch does).
 
 Every route is a row of :data:`TABLE` (``attnguard doctor`` could print it; the tests walk every
 row). The route functions are pure: facts in, a row id out.
@@ -76,6 +90,24 @@ TABLE: tuple[Route, ...] = (
         "torch's flash build refuses ALiBi; SDPA takes it as an additive float32 bias",
     ),
     Route(
+        "dense-deterministic-flash",
+        "dense",
+        "torch_flash",
+        "deterministic=True (a reproducible backward), no ALiBi, torch's flash kernel can run",
+        "its backward has flash-attn's deterministic mode (run with torch's deterministic flag "
+        "for that call); SDPA's dispatcher would pick cuDNN on Hopper, whose backward torch runs "
+        "with no deterministic mode",
+    ),
+    Route(
+        "dense-deterministic",
+        "dense",
+        "explicit",
+        "deterministic=True on a GPU where torch's flash kernel cannot run (fp32, ALiBi, before "
+        "sm80), torch's deterministic flag off",
+        "SDPA's GPU backwards reproduce only under torch's flag (no cuDNN, memory-efficient with "
+        "one key split); matmuls and a softmax reproduce bit for bit",
+    ),
+    Route(
         "dense-plain",
         "dense",
         "sdpa",
@@ -105,14 +137,15 @@ TABLE: tuple[Route, ...] = (
         "torch_flash",
         "torch's flash kernel can run; no softcap, no ALiBi, no block_table",
         "packed rows in one call, lengths never read on the host (as fast as flash-attn's varlen "
-        "kernel: docs/benchmarks.md)",
+        "kernel: docs/benchmarks.md); with deterministic=True its deterministic backward",
     ),
     Route(
         "varlen-compile",
         "varlen",
         "padded",
         "under torch.compile, where varlen-flash does not apply",
-        "cu_seqlens are data: reading them would break the graph; max_seqlen bounds the shapes",
+        "cu_seqlens are data: reading them would break the graph; max_seqlen bounds the shapes "
+        "(masked SDPA, or the explicit path where determinism asks for it: sdpa_reproducible)",
     ),
     Route(
         "varlen-segments",
@@ -168,6 +201,14 @@ TABLE: tuple[Route, ...] = (
 ROUTES = {r.id: r for r in TABLE}
 
 
+def sdpa_reproducible(*, deterministic: bool, torch_deterministic: bool, gpu: bool) -> bool:
+    """Whether SDPA's dispatcher may serve a call: always, unless the call asks for a
+    reproducible backward (``deterministic``) on a GPU and torch's deterministic flag
+    (``torch_deterministic``, which makes SDPA's GPU backwards deterministic) is off. On CPU
+    SDPA's kernels reproduce run to run."""
+    return not (deterministic and gpu and not torch_deterministic)
+
+
 def dense(
     *,
     flash_ok: bool,
@@ -177,13 +218,25 @@ def dense(
     softcap: float,
     alibi: bool,
     need_lse: bool,
+    deterministic: bool = False,
+    torch_deterministic: bool = False,
+    gpu: bool = False,
 ) -> str:
     """Route of a dense call; ``window`` is flash-attn's normalised (left, right), causal =
-    (-1, 0); ``flash_ok``: torch's flash kernel can take these tensors (with a window)."""
+    (-1, 0); ``flash_ok``: torch's flash kernel can take these tensors (with a window and, if
+    asked, its deterministic backward); ``deterministic``: the call asks for a reproducible
+    backward; ``torch_deterministic``: ``torch.are_deterministic_algorithms_enabled()``;
+    ``gpu``: the tensors are on a GPU."""
     if softcap > 0:
         return "dense-softcap"
     if need_lse:
         return "dense-lse-flash" if flash_ok and not alibi else "dense-lse"
+    if deterministic and flash_ok and not alibi:
+        return "dense-deterministic-flash"
+    if not sdpa_reproducible(
+        deterministic=deterministic, torch_deterministic=torch_deterministic, gpu=gpu
+    ):
+        return "dense-deterministic"
     if alibi:
         return "dense-alibi"
     left, right = window

@@ -63,10 +63,13 @@ def _check_kvcache_args(
     rotary_dim a multiple of 16) are not enforced: lifting them is what the twin is for.
     Returns the cache capacity per sequence (flash-attn's ``seqlen_k``).
     """
-    if q.dim() != 4:
+    # Every decode step of every layer pays for these checks: torch.Size compared with tuples
+    # directly, messages built only on failure.
+    qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
+    if len(qs) != 4:
         raise ValueError("q must have shape (batch_size, seqlen, nheads, headdim)")
-    b = q.shape[0]
-    if k_cache.dim() != 4 or v_cache.dim() != 4 or k_cache.shape[:3] != v_cache.shape[:3]:
+    b = qs[0]
+    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
         raise ValueError(
             "k_cache/v_cache must have shape (batch_size_cache, seqlen_cache, nheads_k, headdim) "
             "or (num_blocks, page_block_size, nheads_k, headdim); got "
@@ -82,37 +85,40 @@ def _check_kvcache_args(
                 f"block_table must have shape ({b}, max_num_blocks_per_seq), "
                 f"got {tuple(block_table.shape)}"
             )
-        capacity = block_table.shape[1] * k_cache.shape[1]
+        capacity = block_table.shape[1] * ks[1]
     else:
-        capacity = k_cache.shape[1]
-        if cache_batch_idx is None and k_cache.shape[0] < b:
+        capacity = ks[1]
+        if cache_batch_idx is None and ks[0] < b:
             raise ValueError(
-                f"k_cache holds {k_cache.shape[0]} sequences for a batch of {b} "
+                f"k_cache holds {ks[0]} sequences for a batch of {b} "
                 "(pass cache_batch_idx to pick cache rows)"
             )
-    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
-        if t is not None and tuple(t.shape) != (b,):
-            raise ValueError(f"{name} must have shape ({b},), got {tuple(t.shape)}")
-    seqlens_shape = tuple(cache_seqlens.shape) if isinstance(cache_seqlens, Tensor) else ()
-    if seqlens_shape not in ((), (b,)):
-        raise ValueError(f"cache_seqlens must be an int or have shape ({b},), got {seqlens_shape}")
+    if cache_batch_idx is not None or cache_leftpad is not None:
+        for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+            if t is not None and t.shape != (b,):
+                raise ValueError(f"{name} must have shape ({b},), got {tuple(t.shape)}")
+    if isinstance(cache_seqlens, Tensor) and cache_seqlens.shape not in ((), (b,)):
+        raise ValueError(
+            f"cache_seqlens must be an int or have shape ({b},), got {tuple(cache_seqlens.shape)}"
+        )
     if (k is None) != (v is None):
         raise ValueError("If key is supplied, value must also be passed in")
     if k is not None:
         assert v is not None
         if cache_seqlens is None:
             raise ValueError("If key is supplied, seqlens_k must also be passed in")
-        hk = k_cache.shape[2]
+        kn, vn = k.shape, v.shape
         if (
-            k.dim() != 4
-            or v.dim() != 4
-            or tuple(k.shape[:3]) != (b, k.shape[1], hk)
-            or tuple(v.shape[:3]) != tuple(k.shape[:3])
-            or k.shape[3] != k_cache.shape[3]
-            or v.shape[3] != v_cache.shape[3]
+            len(kn) != 4
+            or len(vn) != 4
+            or kn[0] != b
+            or kn[2] != ks[2]
+            or vn[:3] != kn[:3]
+            or kn[3] != ks[3]
+            or vn[3] != vs[3]
         ):
             raise ValueError(
-                f"k/v must have shape ({b}, seqlen_new, {hk}, headdim) matching the cache; got "
+                f"k/v must have shape ({b}, seqlen_new, {ks[2]}, headdim) matching the cache; got "
                 f"{tuple(k.shape)} and {tuple(v.shape)}"
             )
     if rotary_cos is not None or rotary_sin is not None:
@@ -125,7 +131,7 @@ def _check_kvcache_args(
             raise ValueError("If rotary cos is provided, rotary sin must also be provided")
         if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape:
             raise ValueError("rotary_cos/rotary_sin must both have shape (seqlen_ro, rotary_dim/2)")
-        if 2 * rotary_cos.shape[1] > q.shape[3]:
+        if 2 * rotary_cos.shape[1] > qs[3]:
             raise ValueError("rotary_dim must be <= headdim")
         if rotary_cos.shape[0] < capacity:
             raise ValueError("cos/sin seqlen must be at least the seqlen of KV cache")
@@ -183,7 +189,6 @@ def flash_attn_with_kvcache(
     )
     b, sq, h, d = q.shape
     check_alibi(alibi_slopes, b, h)
-    dev, cdev = q.device, k_cache.device
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     window = normalize_window(window_size, causal, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
@@ -217,9 +222,14 @@ def flash_attn_with_kvcache(
             window=window,
             rotary_interleaved=rotary_interleaved,
             q_per_position=q_per_position,
+            need_lse=return_softmax_lse,
         )
-        return (out, lse) if return_softmax_lse else out
+        if return_softmax_lse:
+            assert lse is not None
+            return out, lse
+        return out
 
+    dev, cdev = q.device, k_cache.device
     if cache_seqlens is None:
         seqlens = torch.full((b,), capacity, dtype=torch.long, device=dev)
     elif isinstance(cache_seqlens, Tensor):
@@ -307,15 +317,16 @@ _POSITIONS: dict[tuple[torch.device, int, int, int], Tensor] = {}
 
 
 def _row_starts(b: int, capacity: int, n: int, device: torch.device) -> Tensor:
-    """int64 (b, n): ``row * capacity + t``, the flat cache index of new token t of row ``row``
-    at length 0 (made once per shape and device; decode steps reuse it)."""
+    """int64 (b * n,): ``row * capacity + t``, the flat cache index of new token t of row
+    ``row`` at length 0, rows one after the other (made once per shape and device; decode steps
+    reuse it)."""
     key = (device, b, capacity, n)
     found = _POSITIONS.get(key)
     if found is None:
         if len(_POSITIONS) > 256:
             _POSITIONS.clear()
         rows = torch.arange(b, device=device, dtype=torch.long)[:, None] * capacity
-        found = _POSITIONS[key] = rows + torch.arange(n, device=device, dtype=torch.long)
+        found = _POSITIONS[key] = (rows + torch.arange(n, device=device, dtype=torch.long)).view(-1)
     return found
 
 
@@ -333,49 +344,62 @@ def _on_torch_flash(
     window: tuple[int, int],
     rotary_interleaved: bool,
     q_per_position: bool,
-) -> tuple[Tensor, Tensor]:
+    need_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
     """The route ``kvcache-flash``: contiguous caches, rows 0..b-1 of the cache.
 
     New keys/values are written in place (one ``index_copy_`` each into the flattened cache),
     then torch's flash kernel reads each row of the cache as one packed sequence of
     ``capacity`` slots of which the first ``cache_seqlens + seqlen_new`` are real
     (``seqused_k``): the kernel's own causal/window alignment to that end, no host read, no
-    gathered copy of the cache. Returns (out (b, sq, h, dv), lse (b, h, sq)).
+    gathered copy of the cache. Returns (out (b, sq, h, dv), lse (b, h, sq) if ``need_lse``).
+
+    A decode step is bound by the host here (each torch op costs microseconds of Python and
+    dispatch, the kernels take less): beside the attention kernel it launches four small ones
+    (the flat index of the new tokens, two appends, the lengths the kernel reads) and creates
+    as few views as the kernel's layout needs. torch ships no kernel that appends and attends
+    in one launch (flash-attn's ``mha_fwd_kvcache`` is not among aten's ops).
     """
     b, sq, h, d = q.shape
     capacity, hk, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     dev = q.device
+    seqlens = cache_seqlens
+    if isinstance(seqlens, Tensor) and (
+        seqlens.dtype is not torch.int32 or seqlens.device != dev or seqlens.dim() != 1
+    ):
+        seqlens = seqlens.to(device=dev, dtype=torch.int32).expand(b)
     k_flat = k_cache.view(-1, hk, d)
     v_flat = v_cache.view(-1, hk, dv)
-    seqlens: Tensor | int | None = cache_seqlens
-    if isinstance(seqlens, Tensor):
-        seqlens = seqlens.to(device=dev, dtype=torch.int32).expand(b)
     rotary = rotary_cos is not None and rotary_sin is not None
-
-    def rotate(x: Tensor, pos: Tensor) -> Tensor:
-        assert rotary_cos is not None and rotary_sin is not None
-        return rotate_at(x, pos, rotary_cos, rotary_sin, rotary_interleaved)
-
-    def at(offsets: Tensor) -> Tensor:  # (b, n) -> positions after each row's cached tokens
-        return offsets + (seqlens.view(b, 1) if isinstance(seqlens, Tensor) else int(seqlens or 0))
-
-    seqlen_new = 0
+    n = 0
     if k is not None and v is not None:
-        seqlen_new = k.shape[1]
+        n = k.shape[1]
+        starts = _row_starts(b, capacity, n, dev)
+        if isinstance(seqlens, Tensor):
+            lengths: Tensor | int = seqlens if n == 1 else seqlens.repeat_interleave(n)
+        else:
+            lengths = int(seqlens or 0)
+        flat = starts + lengths
         if rotary:
-            k = rotate(k, at(torch.arange(seqlen_new, device=dev).expand(b, seqlen_new)))
-        flat = at(_row_starts(b, capacity, seqlen_new, dev)).view(-1)
-        k_flat.index_copy_(0, flat, k.reshape(b * seqlen_new, hk, d))
-        v_flat.index_copy_(0, flat, v.reshape(b * seqlen_new, hk, dv))
+            assert rotary_cos is not None and rotary_sin is not None
+            # new token t of a row sits at cache_seqlens + t
+            pos = torch.arange(n, device=dev).expand(b, n) + (
+                lengths.view(b, n) if isinstance(lengths, Tensor) else lengths
+            )
+            k = rotate_at(k, pos, rotary_cos, rotary_sin, rotary_interleaved)
+        k_flat.index_copy_(0, flat, k.reshape(b * n, hk, d))
+        v_flat.index_copy_(0, flat, v.reshape(b * n, hk, dv))
     if rotary:
+        assert rotary_cos is not None and rotary_sin is not None
         # Causal/local: query i sits at cache_seqlens + i; otherwise all at cache_seqlens.
         steps = torch.arange(sq, device=dev).expand(b, sq) * int(q_per_position)
-        q = rotate(q, at(steps))
+        at = seqlens.view(b, 1) if isinstance(seqlens, Tensor) else int(seqlens or 0)
+        q = rotate_at(q, steps + at, rotary_cos, rotary_sin, rotary_interleaved)
     used: Tensor | None = None
     if isinstance(seqlens, Tensor):
-        used = seqlens + seqlen_new
+        used = seqlens + n
     elif seqlens is not None:
-        used = torch.full((b,), int(seqlens) + seqlen_new, dtype=torch.int32, device=dev)
+        used = torch.full((b,), int(seqlens) + n, dtype=torch.int32, device=dev)
     out, lse = torch_flash.attention(
         q.reshape(b * sq, h, d),
         k_flat,
@@ -389,4 +413,6 @@ def _on_torch_flash(
         window=window,
         seqused_k=used,
     )
+    if not need_lse:
+        return out.view(b, sq, h, dv), None
     return out.view(b, sq, h, dv), lse.view(h, b, sq).transpose(0, 1)

@@ -187,12 +187,14 @@ def masked_attention(
     softcap: float,
     dropout_p: float,
     need_lse: bool,
+    explicit: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention on (B, H, S, D) with a keep-mask, its empty rows and an optional bias.
 
-    SDPA where it can express the call, the explicit path for softcap or the lse.
+    SDPA where it can express the call, the explicit path for softcap, the lse, or where the
+    caller asks for it (``explicit``: a reproducible backward SDPA would not give).
     """
-    if softcap > 0 or need_lse:
+    if softcap > 0 or need_lse or explicit:
         out, lse = explicit_attention(
             qt,
             kt,

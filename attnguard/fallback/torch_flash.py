@@ -77,11 +77,20 @@ def _gpu_ok(index: int) -> bool:
 
 
 def can_run(
-    q: Tensor, k: Tensor, v: Tensor, *, window: bool = False, seqused: bool = False
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    window: bool = False,
+    seqused: bool = False,
+    deterministic: bool = False,
 ) -> bool:
     """Whether torch's flash kernel can take q/k/v (devices, dtypes, head dims, this torch's
-    parameters). Decided from tensor metadata only: no tensor value is read."""
+    parameters; ``deterministic``: with its deterministic backward). Decided from tensor
+    metadata only: no tensor value is read."""
     if _OP is None or not q.is_cuda:
+        return False
+    if deterministic and not DETERMINISTIC_BACKWARD:
         return False
     dt = q.dtype
     if dt not in _HALF or k.dtype is not dt or v.dtype is not dt:
@@ -119,12 +128,14 @@ def attention(
     scale: float,
     window: tuple[int, int],
     seqused_k: Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One kernel call. Dense: q (B, Sq, H, D), k/v (B, Sk, Hk, D), no cu_seqlens. Varlen:
     q (total_q, H, D), k/v (total_k, Hk, D) with int32 cu_seqlens on q's device.
 
-    ``window`` is flash-attn's normalised (left, right); (-1, 0) is causal. Returns (out in q's
-    layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
+    ``window`` is flash-attn's normalised (left, right); (-1, 0) is causal. ``deterministic``:
+    the backward pass runs in the kernel's deterministic mode ("the deterministic backward"
+    below). Returns (out in q's layout, float32 LSE: (B, H, Sq) dense, (H, total_q) varlen).
     """
     d = q.shape[-1]
     pad = (-d) % 8
@@ -137,28 +148,258 @@ def attention(
     if v.stride(-1) != 1:
         v = v.contiguous()
     left, right = window
-    kwargs: dict[str, Any] = {"scale": scale}
-    if windowed(window):
-        kwargs["window_size_left"] = left
-        kwargs["window_size_right"] = right
-    if seqused_k is not None:
-        kwargs["seqused_k"] = seqused_k
-    out, lse = _OP(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        float(dropout_p),
-        left < 0 and right == 0,  # causal
-        False,
-        **kwargs,
-    )[:2]
+    causal = left < 0 and right == 0
+    if (
+        deterministic
+        and seqused_k is None
+        and torch.is_grad_enabled()
+        and (q.requires_grad or k.requires_grad or v.requires_grad)
+    ):
+        win = windowed(window)
+        out, lse = _DETERMINISTIC(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            float(dropout_p),
+            causal,
+            scale,
+            left if win else None,
+            right if win else None,
+        )[:2]
+    else:
+        kwargs: dict[str, Any] = {"scale": scale}
+        if windowed(window):
+            kwargs["window_size_left"] = left
+            kwargs["window_size_right"] = right
+        if seqused_k is not None:
+            kwargs["seqused_k"] = seqused_k
+        out, lse = _OP(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            float(dropout_p),
+            causal,
+            False,
+            **kwargs,
+        )[:2]
     if pad:
         out = out[..., :d]
     return out, lse
+
+
+# --- the deterministic backward ------------------------------------------------------------------
+#
+# torch's flash backward has flash-attn's deterministic mode (dq accumulated in one buffer per
+# split, summed in a fixed order, instead of atomic adds into one), but it takes no argument for
+# it: it reads torch's global flag (``torch.use_deterministic_algorithms(True)``, not warn-only),
+# at::globalContext() in aten's _flash_attention_backward (torch 2.4 to 2.13). A call that asks
+# for determinism (flash-attn's ``deterministic=True``) runs the backward kernel with that flag
+# set for the one call and restored right after; uninitialised-memory filling, which the flag
+# also switches on, stays off unless the caller had it on. The flag is process-global: another
+# thread launching a kernel in that window sees it too (a deterministic choice or, for an op
+# without a deterministic implementation, torch's error). Forward and backward are registered
+# as custom ops (as torch's own ``torch.nn.attention.varlen`` does), so torch.compile keeps them
+# whole: a global flag flipped inside a traced backward would not survive tracing.
+
+_BACKWARD = getattr(torch.ops.aten, "_flash_attention_backward", None)
+
+
+def _call_with_deterministic_flag(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with torch's deterministic-algorithms flag on (not warn-only),
+    restored afterwards."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    if was_on and not warn_only:
+        return fn(*args, **kwargs)
+    fill = torch._C._get_deterministic_fill_uninitialized_memory()
+    torch._C._set_deterministic_algorithms(True, warn_only=False)
+    if not was_on:  # the fill is a cost of the flag the caller did not ask for
+        torch._C._set_deterministic_fill_uninitialized_memory(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch._C._set_deterministic_algorithms(was_on, warn_only=warn_only)
+        torch._C._set_deterministic_fill_uninitialized_memory(fill)
+
+
+def _window_kwargs(scale: float, left: int | None, right: int | None) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"scale": scale}
+    if left is not None:
+        kwargs["window_size_left"] = left
+        kwargs["window_size_right"] = right
+    return kwargs
+
+
+def _forward_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor | None,
+    cu_k: Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    causal: bool,
+    scale: float,
+    left: int | None,
+    right: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    # also the fake (shape) implementation: aten's own meta kernel answers under FakeTensorMode
+    res = _OP(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        causal,
+        False,
+        **_window_kwargs(scale, left, right),
+    )
+    return res[0], res[1], res[2], res[3]
+
+
+def _backward_impl(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_q: Tensor | None,
+    cu_k: Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    causal: bool,
+    rng_state: Tensor,
+    unused: Tensor,
+    scale: float,
+    left: int | None,
+    right: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _call_with_deterministic_flag(
+        _BACKWARD,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        causal,
+        rng_state,
+        unused,
+        **_window_kwargs(scale, left, right),
+    )
+    return dq, dk, dv
+
+
+def _backward_fake(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *_: Any
+) -> tuple[Tensor, ...]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, left, right = inputs
+    out, lse, rng_state, unused = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
+    # no gradient flows through the LSE, as in flash-attn's functions and aten's kernel
+    ctx.args = (max_q, max_k, dropout_p, causal, scale, left, right)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
+    max_q, max_k, dropout_p, causal, scale, left, right = ctx.args
+    dq, dk, dv = _DETERMINISTIC_BACKWARD(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        dropout_p,
+        causal,
+        rng_state,
+        unused,
+        scale,
+        left,
+        right,
+    )
+    return (dq, dk, dv) + (None,) * 9
+
+
+_FORWARD_SCHEMA = (
+    "flash_attention_deterministic(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, "
+    "Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
+    "bool causal, float scale, SymInt? window_size_left, SymInt? window_size_right) "
+    "-> (Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "flash_attention_deterministic_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, "
+    "Tensor out, Tensor logsumexp, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, "
+    "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, bool causal, Tensor rng_state, "
+    "Tensor unused, float scale, SymInt? window_size_left, SymInt? window_size_right) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+
+def _register() -> tuple[Any, Any, Any]:
+    """The two custom ops (``torch.ops.attnguard.flash_attention_deterministic[_backward]``),
+    registered once per process; (None, None, None) where this torch cannot (no flash kernel,
+    no ``torch.library.register_autograd``): deterministic calls then take another kernel."""
+    ops = torch.ops.attnguard
+    if hasattr(ops, "flash_attention_deterministic"):  # registered by an earlier import
+        return None, ops.flash_attention_deterministic, ops.flash_attention_deterministic_backward
+    if _OP is None or _BACKWARD is None or not hasattr(torch.library, "register_autograd"):
+        return None, None, None
+    try:
+        lib = torch.library.Library("attnguard", "FRAGMENT")
+        # dropout draws from torch's generator, as aten's op does: never merged or reordered
+        lib.define(_FORWARD_SCHEMA, tags=(torch.Tag.nondeterministic_seeded,))
+        lib.define(_BACKWARD_SCHEMA)
+        lib.impl("flash_attention_deterministic", _forward_impl, "CUDA")
+        lib.impl("flash_attention_deterministic_backward", _backward_impl, "CUDA")
+        torch.library.register_fake(
+            "attnguard::flash_attention_deterministic", _forward_impl, lib=lib
+        )
+        torch.library.register_fake(
+            "attnguard::flash_attention_deterministic_backward", _backward_fake, lib=lib
+        )
+        torch.library.register_autograd(
+            "attnguard::flash_attention_deterministic",
+            _backward,
+            setup_context=_setup_context,
+            lib=lib,
+        )
+    except Exception:
+        return None, None, None
+    return lib, ops.flash_attention_deterministic, ops.flash_attention_deterministic_backward
+
+
+# the Library object holds the registrations: they last as long as this module
+_LIBRARY, _DETERMINISTIC, _DETERMINISTIC_BACKWARD = _register()
+DETERMINISTIC_BACKWARD = _DETERMINISTIC is not None
 
 
 _CU_CACHE: dict[tuple[Any, int, int], Tensor] = {}

@@ -204,11 +204,18 @@ def flash_attn_varlen_func(
         "softmax_scale": scale,
         "softcap": softcap,
         "need_lse": return_attn_probs,
+        "deterministic": deterministic,
     }
 
     in_graph = compiling()
     route = kernels.varlen(
-        flash_ok=torch_flash.can_run(q, k, v, window=torch_flash.windowed(tuple(window_size))),
+        flash_ok=torch_flash.can_run(
+            q,
+            k,
+            v,
+            window=torch_flash.windowed(tuple(window_size)),
+            deterministic=deterministic,
+        ),
         softcap=softcap,
         alibi=alibi_slopes is not None,
         paged=block_table is not None,
@@ -228,6 +235,7 @@ def flash_attn_varlen_func(
             dropout_p=dropout_p,
             scale=scale,
             window=normalize_window(window_size, causal, max_k),
+            deterministic=deterministic,
         )
     elif route == "varlen-compile":
         out, lse = _varlen_padded(
