@@ -110,6 +110,7 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
         "keys": [],
     }
     keys: dict[tuple[str, Any, Any], dict[str, Any]] = {}
+    sites: dict[str, dict[str, None]] = {}
     for r in sorted(per_rank):
         record = per_rank[r]
         out["rank_procs"][str(r)] = record.proc
@@ -124,12 +125,11 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
                 if name == "reasons" and not k.reason_code:
                     continue
                 table[ident] = table.get(ident, 0) + k.count
-                if r not in ranks.setdefault(ident, []):
-                    ranks[ident].append(r)
+                seen = ranks.setdefault(ident, [])
+                if not seen or seen[-1] != r:  # ranks come in order: one look, not a search
+                    seen.append(r)
             if k.site:
-                merged = out["sites"].setdefault(k.event, [])
-                if k.site not in merged:
-                    merged.append(k.site)
+                sites.setdefault(k.event, {})[k.site] = None  # ordered and unique
             entry = keys.setdefault(
                 (k.event, k.site, k.reason_code),
                 {
@@ -150,6 +150,7 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
         out["per_rank"][str(r)] = totals
         for kind in KINDS:
             out[kind] += totals[kind]
+    out["sites"] = {event: list(names) for event, names in sites.items()}
     out["keys"] = list(keys.values())
     return out
 
