@@ -506,23 +506,30 @@ def summary_fields() -> dict[str, Any]:
 
 def _at_exit() -> None:
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
+    # Nor may anything be imported here for the first time: an import that runs code from a
+    # string (a dataclass, a namedtuple) clears CPython's record of an unhandled Ctrl-C, and
+    # the process would exit 1 instead of dying of SIGINT (130 in a shell). The summary's
+    # modules are imported when it becomes due (attnguard.runtime); a process where nothing
+    # made it due has nothing to summarise.
     with contextlib.suppress(BaseException):
-        if _state.settings.enabled and _state.exit_summary and not _nothing_to_summarise():
+        if _state.settings.enabled and _state.exit_summary and not nothing_to_summarise():
             _state.exit_summary()  # one job-wide summary from rank 0, else this process's own
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
 
 
-def _nothing_to_summarise() -> bool:
-    """A single process where nothing happened and nothing would write an INFO summary: the
-    summary would be counted and dropped, so its module is not even imported. Ranks of a job
-    always take part (rank 0 gathers every rank's counts)."""
-    if launch_context()["world_size"] > 1:
-        return False
+def nothing_to_summarise() -> bool:
+    """True where the exit summary would be counted and dropped: nothing happened, and this is
+    a helper (silent unless it changed something) or a single process whose summary nothing
+    would write (INFO). Ranks of a job always take part (rank 0 gathers every rank's counts)."""
     with _state.lock:
         happened = any(key[0] not in _UNIQUE for key in _state.counts)
-    return not happened and not _anyone_listens(_LEVELNO["info"])
+    if happened:
+        return False
+    if is_helper():
+        return True
+    return launch_context()["world_size"] <= 1 and not _anyone_listens(_LEVELNO["info"])
 
 
 def register_exit_summary(
