@@ -169,6 +169,8 @@ class _Fanout:
                     sink(ed)
             except Exception:
                 pass  # a full disk or closed stream must not break the program
+        if any(sink.refused for sink in _state.streams):
+            say_refused_logs()  # the line above opened a path another user occupies
 
     debug = info = warning = error = msg = _dispatch
 
@@ -357,6 +359,31 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
     for sink in old.values():
         if sink not in new:
             sink.close()
+
+
+def say_refused_logs() -> None:
+    """One warning per log path another user occupied (their link or file), which this
+    process's events went around to a fresh file of its own: where they are, and why."""
+    for sink in _state.streams:
+        refused = sink.take_refusal()
+        if refused is None:
+            continue
+        asked, used, why = refused
+        reason = (
+            f"ATTNGUARD_LOG: {asked} is not used ({why}); this process writes its events to "
+            f"{used} instead"
+        )
+        emit(
+            "observed",
+            site="attnguard.log",
+            reason_code="log_path_refused",
+            level="warning",
+            reason=reason,
+            log_file=used,
+        )
+        if not any(sink.target == "stderr" for sink in _state.streams):
+            # the events go to files only: the terminal is told too, where else would one look
+            StreamSink("stderr", "console")._to_stderr(f"attnguard WARNING: {reason}\n")
 
 
 def _unwritable(settings: Settings, target: str, exc: OSError) -> ValueError:

@@ -34,6 +34,13 @@ _TABLE: tuple[Reason, ...] = (
         "an installed library is outside the versions an integration supports: not patched",
         "use a version the integration supports (README, Compatibility)",
     ),
+    Reason(
+        "log_path_refused",
+        ("observed",),
+        "the ATTNGUARD_LOG path is another user's (their link on the way, or their file): "
+        "this process writes its events to a fresh file of its own, named in the event",
+        "give ATTNGUARD_LOG a directory only you can write to",
+    ),
     # --- load time: why a flash kernel cannot run here (attnguard.facts) -----------------------
     Reason(
         "package_missing",

@@ -227,6 +227,7 @@ def activate(**overrides: Any) -> Settings:
                 versions=versions(),
                 settings=new.as_dict(),
             )
+        events.say_refused_logs()  # a log path another user occupied, if no line said it yet
         if not events.nothing_to_summarise():
             _ready_exit_summary()  # a rank, or a summary someone will read: due at exit
         _register_hooks()  # patches what is imported and now allowed; the rest at import
