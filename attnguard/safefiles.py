@@ -302,6 +302,10 @@ def open_log(path: str) -> OpenedLog:
         return OpenedLog(_open_log_at(path), path)
     except ForeignFile as exc:
         refused = str(exc)
+    except UnsafeFile:
+        raise
+    except OSError as exc:  # named by the path asked for (the walk knows one component)
+        raise OSError(exc.errno, exc.strerror, path) from None
     name = os.path.basename(path) or "attnguard.jsonl"
     try:
         try:
