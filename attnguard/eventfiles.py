@@ -22,12 +22,13 @@ before (largest figure wins).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from . import safefiles
 from .events import KINDS, OBSERVATIONS
@@ -42,6 +43,7 @@ MAX_KEYS = 10_000  # keys in one summary
 MAX_ENTRIES = 100_000  # (process, event, site, reason_code) entries over all files
 _EVENT_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\Z")
 _PROC = re.compile(r"[0-9a-f]{8,64}\Z")
+_RANK_KEY = re.compile(r"[0-9]{1,8}\Z")  # ASCII digits: str.isdigit() takes "²", int() not
 
 
 def is_process_id(value: Any) -> bool:
@@ -51,6 +53,25 @@ def is_process_id(value: Any) -> bool:
 
 class Malformed(ValueError):
     """A record or field that is not what attnguard writes (the text says which)."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _malformed_on_any_error(check: _F) -> _F:
+    """Whatever else a check of untrusted input raises is Malformed too: a record no check
+    foresaw is named and skipped like any other, never the end of a summary."""
+
+    @functools.wraps(check)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(*args, **kwargs)
+        except Malformed:
+            raise
+        except (ValueError, TypeError, LookupError, AttributeError, RecursionError) as exc:
+            raise Malformed(f"unreadable ({type(exc).__name__})") from None
+
+    return checked  # type: ignore[return-value]
 
 
 # --- reading -----------------------------------------------------------------------------------
@@ -148,7 +169,7 @@ def _rank(value: Any) -> int | None:
 
 
 def _rank_key(value: Any) -> int:
-    if not isinstance(value, str) or not value.isdigit() or len(value) > 8:
+    if not isinstance(value, str) or not _RANK_KEY.match(value):
         raise Malformed("a per-rank key is not a rank")
     return _rank(int(value)) or 0
 
@@ -221,6 +242,7 @@ def clean_key(raw: Any, mode: Any = None) -> tuple[Key, dict[str, Any] | None]:
     return Key(event, site, reason, count, kinds), per_rank
 
 
+@_malformed_on_any_error
 def clean_keys(raw: Any, mode: Any = None) -> list[tuple[Key, dict[str, Any] | None]]:
     """A summary's ``keys``, each checked (Malformed at the first bad one)."""
     if raw is None:
@@ -247,6 +269,7 @@ class Record:
     rank_procs: dict[int, str] = field(default_factory=dict)
 
 
+@_malformed_on_any_error
 def clean_record(raw: Mapping[str, Any]) -> Record:
     """Check every field attnguard reads; Malformed (with why) at the first that is wrong."""
     event = raw.get("event")
@@ -356,18 +379,19 @@ class Merger:
                     (event, reason),
                     {"event": event, "reason_code": reason, "count": 0}
                     | dict.fromkeys(KINDS, 0)
-                    | {"ranks": [], "sites": []},
+                    | {"ranks": set(), "sites": {}},  # a dict keeps the sites' order
                 )
                 row["count"] += key.count
                 for kind in KINDS:
                     row[kind] += key.kinds.get(kind, 0)
-                if rank is not None and rank not in row["ranks"]:
-                    row["ranks"].append(rank)
-                if site is not None and site not in row["sites"]:
-                    row["sites"].append(site)
+                if rank is not None:
+                    row["ranks"].add(rank)
+                if site is not None:
+                    row["sites"][site] = None
         out_rows = []
         for row in sorted(rows.values(), key=lambda r: (r["event"], str(r["reason_code"]))):
-            row["ranks"].sort()
+            row["ranks"] = sorted(row["ranks"])
+            row["sites"] = list(row["sites"])
             row["hint"] = hint_for(row["event"], row["reason_code"])
             out_rows.append(row)
         return {

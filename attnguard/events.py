@@ -169,6 +169,8 @@ class _Fanout:
                     sink(ed)
             except Exception:
                 pass  # a full disk or closed stream must not break the program
+        if any(sink.refused for sink in _state.streams):
+            say_refused_logs()  # the line above opened a path another user occupies
 
     debug = info = warning = error = msg = _dispatch
 
@@ -359,6 +361,31 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
             sink.close()
 
 
+def say_refused_logs() -> None:
+    """One warning per log path another user occupied (their link or file), which this
+    process's events went around to a fresh file of its own: where they are, and why."""
+    for sink in _state.streams:
+        refused = sink.take_refusal()
+        if refused is None:
+            continue
+        asked, used, why = refused
+        reason = (
+            f"ATTNGUARD_LOG: {asked} is not used ({why}); this process writes its events to "
+            f"{used} instead"
+        )
+        emit(
+            "observed",
+            site="attnguard.log",
+            reason_code="log_path_refused",
+            level="warning",
+            reason=reason,
+            log_file=used,
+        )
+        if not any(sink.target == "stderr" for sink in _state.streams):
+            # the events go to files only: the terminal is told too, where else would one look
+            StreamSink("stderr", "console")._to_stderr(f"attnguard WARNING: {reason}\n")
+
+
 def _unwritable(settings: Settings, target: str, exc: OSError) -> ValueError:
     from .config import LOG_TARGETS_HELP, shown
 
@@ -506,23 +533,30 @@ def summary_fields() -> dict[str, Any]:
 
 def _at_exit() -> None:
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
+    # Nor may anything be imported here for the first time: an import that runs code from a
+    # string (a dataclass, a namedtuple) clears CPython's record of an unhandled Ctrl-C, and
+    # the process would exit 1 instead of dying of SIGINT (130 in a shell). The summary's
+    # modules are imported when it becomes due (attnguard.runtime); a process where nothing
+    # made it due has nothing to summarise.
     with contextlib.suppress(BaseException):
-        if _state.settings.enabled and _state.exit_summary and not _nothing_to_summarise():
+        if _state.settings.enabled and _state.exit_summary and not nothing_to_summarise():
             _state.exit_summary()  # one job-wide summary from rank 0, else this process's own
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
 
 
-def _nothing_to_summarise() -> bool:
-    """A single process where nothing happened and nothing would write an INFO summary: the
-    summary would be counted and dropped, so its module is not even imported. Ranks of a job
-    always take part (rank 0 gathers every rank's counts)."""
-    if launch_context()["world_size"] > 1:
-        return False
+def nothing_to_summarise() -> bool:
+    """True where the exit summary would be counted and dropped: nothing happened, and this is
+    a helper (silent unless it changed something) or a single process whose summary nothing
+    would write (INFO). Ranks of a job always take part (rank 0 gathers every rank's counts)."""
     with _state.lock:
         happened = any(key[0] not in _UNIQUE for key in _state.counts)
-    return not happened and not _anyone_listens(_LEVELNO["info"])
+    if happened:
+        return False
+    if is_helper():
+        return True
+    return launch_context()["world_size"] <= 1 and not _anyone_listens(_LEVELNO["info"])
 
 
 def register_exit_summary(

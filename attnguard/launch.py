@@ -43,3 +43,51 @@ def launch_identity() -> str:
     """This process's launch identity now (see :data:`IDENTITY_VARS`)."""
     env = os.environ
     return "|".join(env.get(v, "") for v in IDENTITY_VARS)
+
+
+_launcher: tuple[int, str] | None = None  # (this process's pid, its launcher_id)
+_WRAPPER_DEPTH = 8  # wrappers of one rank to look through (a shell script, bash -c, env, ...)
+
+
+def _proc(pid: int, name: str, limit: int = 1 << 20) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as fh:
+            return fh.read(limit)
+    except OSError:
+        return None
+
+
+def _identity_of(pid: int) -> tuple[str, ...] | None:
+    """The launch identity process ``pid`` started with (None: not readable, another user's)."""
+    data = _proc(pid, "environ")
+    if data is None:
+        return None
+    env = dict(item.partition(b"=")[::2] for item in data.split(b"\0") if item)
+    return tuple(env.get(v.encode(), b"").decode("utf-8", "replace") for v in IDENTITY_VARS)
+
+
+def launcher_id() -> str:
+    """The launch this rank belongs to, the same for every rank it started: host name, pid and
+    start time (a reused pid is another process) of the process that started it. That is the
+    parent (torchrun's agent, ``mp.spawn``'s parent, a shell starting ranks in the background),
+    looking through parents that are this rank itself: started with its launch identity (a
+    wrapper script of one rank, ``torchrun --no-python``). Read once per process, so a launcher
+    that ends first changes nothing."""
+    global _launcher
+    pid = os.getpid()
+    if _launcher is None or _launcher[0] != pid:
+        import socket
+
+        mine = tuple(os.environ.get(v, "") for v in IDENTITY_VARS)
+        parent, started = os.getppid(), ""
+        for _ in range(_WRAPPER_DEPTH + 1):
+            stat = _proc(parent, "stat", 4096)
+            if stat is None:
+                break
+            fields = stat.rsplit(b")", 1)[-1].split()
+            started = fields[19].decode("ascii", "replace") if len(fields) > 19 else ""
+            if parent <= 1 or _identity_of(parent) != mine:
+                break
+            parent = int(fields[1])  # a wrapper of this rank: its parent launched it
+        _launcher = (pid, f"{socket.gethostname()}:{parent}:{started}")
+    return _launcher[1]

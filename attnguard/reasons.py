@@ -41,6 +41,13 @@ _TABLE: tuple[Reason, ...] = (
         "attnguard has not seen): that function is left unguarded",
         "upgrade attnguard for this flash-attn / xformers release",
     ),
+    Reason(
+        "log_path_refused",
+        ("observed",),
+        "the ATTNGUARD_LOG path is another user's (their link on the way, or their file): "
+        "this process writes its events to a fresh file of its own, named in the event",
+        "give ATTNGUARD_LOG a directory only you can write to",
+    ),
     # --- load time: why a flash kernel cannot run here (attnguard.facts) -----------------------
     Reason(
         "package_missing",

@@ -153,7 +153,14 @@ def _exit_summary() -> None:
     emit_exit_summary()
 
 
+def _ready_exit_summary() -> None:
+    """Import the exit summary's modules now that it is due, never first at exit: there an
+    import clears CPython's record of an unhandled Ctrl-C (see ``events._at_exit``)."""
+    from . import summary  # noqa: F401
+
+
 def _first_event() -> bool:
+    _ready_exit_summary()  # this process now has something to summarise
     if events.launch_context()["world_size"] <= 1:
         return False  # no job (yet: a Ray actor sets its rank later)
     from .summary import announce_first_event
@@ -220,6 +227,9 @@ def activate(**overrides: Any) -> Settings:
                 versions=versions(),
                 settings=new.as_dict(),
             )
+        events.say_refused_logs()  # a log path another user occupied, if no line said it yet
+        if not events.nothing_to_summarise():
+            _ready_exit_summary()  # a rank, or a summary someone will read: due at exit
         _register_hooks()  # patches what is imported and now allowed; the rest at import
         return new
 

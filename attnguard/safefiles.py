@@ -1,18 +1,26 @@
 """The one place that decides which files attnguard may create, write, follow and trust.
 
-attnguard touches files in three ways, each with its own rule (docs/files.md says the same):
+attnguard touches files in these ways, each with its own rule (docs/files.md says the same):
 
-* **the log file** (``ATTNGUARD_LOG``): created ``0666 & ~umask`` like any file the program
-  writes, opened for appending. A symbolic link is followed only when it belongs to you or to
-  root (so ``/dev/stderr`` and your own links work, while a link another user planted in a shared
+* **every path** is walked one directory at a time through descriptors (:class:`_Walk`): a
+  symbolic link anywhere on it is followed only when it belongs to you or to root (so
+  ``/dev/stderr`` and your own links work, while a link another user planted in a shared
   directory such as /tmp is refused: the ``fs.protected_symlinks`` rule, whatever the kernel's
-  setting). An existing regular file of another user is refused too.
+  setting, for directories on the way too), and nothing can be swapped in between a check and
+  the use.
+* **the log file** (``ATTNGUARD_LOG``): created ``0666 & ~umask`` like any file the program
+  writes, opened for appending; an existing regular file of another user is never written.
+  Where another user's link or file occupies the path, the events go to a fresh file nobody can
+  predict, beside it or in your private directory (:func:`open_log`).
+* **your private directory** (:func:`private_dir`): ``$XDG_RUNTIME_DIR/attnguard``, else
+  ``~/.cache/attnguard/run``, else ``$TMPDIR/attnguard-<uid>``: the first that is a real
+  directory of yours no one else can write to. Nobody else can create anything in the first
+  two, so knowing their names gives nothing.
 * **the job rendezvous directory** (ranks leave their exit counts there): created ``0700`` and
-  used only when it is a real directory, not a link, owned by you and writable by no one else.
-  Every file in it is created ``0600`` with ``O_EXCL | O_NOFOLLOW`` under a temporary name and
-  renamed into place; a file is read only when it is a regular file of yours under a size bound.
-  All of it goes through a descriptor of the checked directory, so nothing can be swapped in
-  between the check and the use.
+  used only when it is a real directory, not a link, owned by you and writable by no one else
+  (:class:`PrivateDir`). Every file in it is created ``0600`` with ``O_EXCL | O_NOFOLLOW`` under
+  a temporary name and renamed into place; a file is read only when it is a regular file of
+  yours under a size bound. All of it goes through a descriptor of the checked directory.
 * **files handed to ``attnguard summary``**: read only when they are regular files (a FIFO or a
   device is refused without being opened), in bounded chunks (:mod:`attnguard.eventfiles`).
 * **the kernel-decision cache** (``ATTNGUARD_KERNEL=fastest``, :mod:`attnguard.decisions`): a
@@ -24,9 +32,11 @@ Errors are :class:`UnsafeFile` (with the reason to show) or the OSError of the s
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Mapping
 
 # Path limits of Linux (PATH_MAX, NAME_MAX): a longer value can only fail later, less clearly.
 MAX_PATH = 4096
@@ -37,10 +47,16 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _MAX_LINK_HOPS = 40  # the kernel's own limit
+# Directories on a walk: O_PATH (Linux) needs no read permission, only search on the way.
+_DIR_WALK = (getattr(os, "O_PATH", 0) or os.O_RDONLY) | _DIRECTORY | _NOFOLLOW | _CLOEXEC
 
 
 class UnsafeFile(OSError):
     """A file or directory attnguard refuses to use; ``str()`` says why."""
+
+
+class ForeignFile(UnsafeFile):
+    """Refused because another user's link or file stands there (a path they occupy)."""
 
 
 def _uid() -> int | None:
@@ -78,74 +94,235 @@ def path_problem(path: str) -> str | None:
     return None
 
 
-def make_dirs(path: str, mode: int = 0o777) -> None:
-    """``os.makedirs(path, exist_ok=True)`` without recursion (any depth, no RecursionError)."""
-    missing = []
-    p = os.path.abspath(path)
-    while not os.path.isdir(p):
-        missing.append(p)
-        up = os.path.dirname(p)
-        if up == p:
-            break
-        p = up
-    for d in reversed(missing):
+def _abs(path: str) -> str:
+    """``path`` made absolute without collapsing ``..`` in text (the walk takes it physically)."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def _parts(path: str) -> list[str]:
+    return [p for p in path.split(os.sep) if p not in ("", ".")]
+
+
+def _check_link(st: os.stat_result, shown: str) -> None:
+    if not _trusted_owner(st.st_uid):
+        raise ForeignFile(
+            f"{shown} is a symbolic link that belongs to another user (uid {st.st_uid}); "
+            "attnguard follows only your own links and root's"
+        )
+
+
+class _Walk:
+    """A directory reached one component at a time through descriptors: a symbolic link on the
+    way is followed only after its owner was checked (you or root), so nothing another user
+    planted anywhere on a path is followed, and nothing can be swapped in between the check and
+    the use. ``fd`` is the directory's descriptor, ``real`` its path with every link resolved."""
+
+    def __init__(self, path: str, create: bool = False, mode: int = 0o777) -> None:
+        self.fd = os.open("/", _DIR_WALK)
+        self.real: list[str] = []
+        self.hops = 0
         try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            if not os.path.isdir(d):
-                raise
+            self.enter(_parts(_abs(path)), create, mode)
+        except BaseException:
+            self.close()
+            raise
+
+    def shown(self, name: str = "") -> str:
+        return os.sep + os.sep.join([*self.real, name] if name else self.real)
+
+    def in_proc(self) -> bool:
+        """In /proc, whose links (``/proc/self/fd/2``, where ``/dev/stderr`` leads) name files a
+        process holds open: only the kernel can follow them."""
+        return bool(self.real) and self.real[0] == "proc"
+
+    def _move(self, name: str) -> None:
+        fd = os.open(name, _DIR_WALK, dir_fd=self.fd)
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):  # swapped for something else
+                raise UnsafeFile(f"{self.shown(name)} is not a directory")
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(self.fd)
+        self.fd = fd
+
+    def follow(self, name: str, st: os.stat_result) -> list[str]:
+        """The components a trusted link ``name`` of this directory stands for (an absolute
+        target restarts the walk at the root)."""
+        self.hops += 1
+        if self.hops > _MAX_LINK_HOPS:
+            raise UnsafeFile(f"{self.shown(name)}: too many levels of symbolic links")
+        _check_link(st, self.shown(name))
+        target = os.readlink(name, dir_fd=self.fd)
+        if os.path.isabs(target):
+            self._move("/")
+            self.real = []
+        return _parts(target)
+
+    def enter(self, parts: list[str], create: bool = False, mode: int = 0o777) -> None:
+        todo = list(reversed(parts))
+        while todo:
+            name = todo.pop()
+            if name == "..":
+                self._move("..")
+                self.real = self.real[:-1]
+                continue
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, mode, dir_fd=self.fd)
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                todo.extend(reversed(self.follow(name, st)))
+                continue
+            self._move(name)
+            self.real.append(name)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _final(path: str, create_dirs: bool) -> tuple[_Walk, str, bool]:
+    """(the directory, the final name in it, whether the kernel must follow that name): every
+    link on the way and at the end is checked, the end's chain followed to what it names."""
+    head, name = os.path.split(_abs(path))
+    walk = _Walk(head, create=create_dirs)
+    try:
+        while True:
+            try:
+                st = os.stat(name, dir_fd=walk.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return walk, name, False  # to be created
+            if not stat.S_ISLNK(st.st_mode):
+                return walk, name, False
+            if walk.in_proc():
+                _check_link(st, walk.shown(name))
+                return walk, name, True
+            parts = walk.follow(name, st)
+            if not parts:
+                raise UnsafeFile(f"{walk.shown(name)} is a link to nothing")
+            walk.enter(parts[:-1])
+            name = parts[-1]
+    except BaseException:
+        walk.close()
+        raise
+
+
+def make_dirs(path: str, mode: int = 0o777) -> None:
+    """``os.makedirs(path, exist_ok=True)`` without recursion (any depth), following only
+    trusted links on the way (UnsafeFile otherwise)."""
+    _Walk(path, create=True, mode=mode).close()
 
 
 def check_links(path: str) -> None:
     """Raise UnsafeFile when following ``path`` would pass a symbolic link that belongs to
-    someone other than you or root. Walks the chain of links of the last component (where an
-    attacker plants them: a name in a shared directory); a link whose target cannot be looked
-    at (a ``/proc/self/fd`` entry naming a pipe, a dangling link) ends the walk."""
-    cur = os.path.abspath(path)
-    for _ in range(_MAX_LINK_HOPS):
-        try:
-            st = os.lstat(cur)
-        except OSError:
-            return
-        if not stat.S_ISLNK(st.st_mode):
-            return
-        if not _trusted_owner(st.st_uid):
-            raise UnsafeFile(
-                f"{cur} is a symbolic link that belongs to another user (uid {st.st_uid}); "
-                "attnguard follows only your own links and root's"
-            )
-        cur = os.path.normpath(os.path.join(os.path.dirname(cur), os.readlink(cur)))
-    raise UnsafeFile(f"{path}: too many levels of symbolic links")
+    someone other than you or root: every link on the way (directories included) and the chain
+    of the last component."""
+    walk, _name, _magic = _final(path, create_dirs=False)
+    walk.close()
 
 
 def _check_opened_log(fd: int, path: str) -> None:
     st = os.fstat(fd)
     if stat.S_ISREG(st.st_mode) and not _trusted_owner(st.st_uid):
-        raise UnsafeFile(f"{path} belongs to another user (uid {st.st_uid})")
+        raise ForeignFile(f"{path} belongs to another user (uid {st.st_uid})")
 
 
-def open_log(path: str) -> int:
-    """Open (creating it and its directories) the log file ``path`` for appending; returns the
-    descriptor. Raises UnsafeFile or OSError."""
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | _CLOEXEC
+
+
+def _open_log_at(path: str) -> int:
+    walk, name, magic = _final(path, create_dirs=True)
+    try:
+        try:
+            fd = os.open(name, _LOG_FLAGS | (0 if magic else _NOFOLLOW), 0o666, dir_fd=walk.fd)
+        except OSError:
+            # EACCES for a file of another user in a sticky directory (fs.protected_regular),
+            # ELOOP for a link swapped in since the walk: name which
+            try:
+                st = os.stat(name, dir_fd=walk.fd, follow_symlinks=False)
+            except OSError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                _check_link(st, walk.shown(name))
+            if st is not None and stat.S_ISREG(st.st_mode) and not _trusted_owner(st.st_uid):
+                why = f"{walk.shown(name)} belongs to another user (uid {st.st_uid})"
+                raise ForeignFile(why) from None
+            raise
+        try:
+            _check_opened_log(fd, walk.shown(name))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        walk.close()
+
+
+class OpenedLog:
+    """A log file opened for appending: ``fd``, the ``path`` it has, and ``refused``: why the
+    path asked for was not used (another user's link or file there), else None."""
+
+    __slots__ = ("fd", "path", "refused")
+
+    def __init__(self, fd: int, path: str, refused: str | None = None) -> None:
+        self.fd, self.path, self.refused = fd, path, refused
+
+
+def _fresh_name(name: str) -> str:
+    """``ag-0.jsonl`` -> ``ag-0.<16 random hex digits>.jsonl``: nobody can predict it."""
+    stem, dot, ext = name.rpartition(".")
+    token = os.urandom(8).hex()
+    return f"{stem}.{token}.{ext}" if dot and stem else f"{name}.{token}"
+
+
+def _fresh_log(directory: int, shown: str, name: str) -> OpenedLog:
+    fresh = _fresh_name(name)
+    flags = _LOG_FLAGS | os.O_EXCL | _NOFOLLOW
+    fd = os.open(fresh, flags, 0o666, dir_fd=directory)
+    return OpenedLog(fd, os.path.join(shown, fresh))
+
+
+def open_log(path: str) -> OpenedLog:
+    """Open (creating it and its directories) the log file ``path`` for appending.
+
+    Where another user occupies the path (their link anywhere on it, their file at its end),
+    the events go to a fresh file nobody can predict instead: beside it when its directory is
+    reached through trusted links, else in your private directory (:func:`private_dir`);
+    ``refused`` says why. Raises UnsafeFile or OSError when no file can be opened."""
     why = path_problem(path)
     if why is not None:
         raise UnsafeFile(why)
-    make_dirs(os.path.dirname(os.path.abspath(path)))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | _CLOEXEC
     try:
-        fd = os.open(path, flags | _NOFOLLOW, 0o666)
-    except OSError:
-        # ELOOP, or EACCES for O_CREAT on a link in a sticky directory: a link is there
-        if not os.path.islink(path):
-            raise
-        check_links(path)  # follow it only when it is trusted
-        fd = os.open(path, flags, 0o666)
-    try:
-        _check_opened_log(fd, path)
-    except BaseException:
-        os.close(fd)
+        return OpenedLog(_open_log_at(path), path)
+    except ForeignFile as exc:
+        refused = str(exc)
+    except UnsafeFile:
         raise
-    return fd
+    except OSError as exc:  # named by the path asked for (the walk knows one component)
+        raise OSError(exc.errno, exc.strerror, path) from None
+    name = os.path.basename(path) or "attnguard.jsonl"
+    try:
+        try:
+            walk = _Walk(os.path.dirname(_abs(path)), create=True)
+        except ForeignFile:
+            with private_dir() as own:
+                opened = _fresh_log(own.fd, own.path, name)
+        else:
+            try:
+                opened = _fresh_log(walk.fd, walk.shown(), name)
+            finally:
+                walk.close()
+    except OSError as exc:
+        why = str(exc) if isinstance(exc, UnsafeFile) else exc.strerror or type(exc).__name__
+        raise UnsafeFile(f"{refused}; no file of this process's own instead: {why}") from None
+    opened.refused = refused
+    return opened
 
 
 def probe_log(path: str) -> None:
@@ -158,20 +335,26 @@ def probe_log(path: str) -> None:
     except OSError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        check_links(path)
+        try:
+            check_links(path)
+        except ForeignFile:
+            st = None  # another user's link to it: the program goes around it (below)
+    if st is not None and not stat.S_ISREG(st.st_mode):
         if not os.access(path, os.W_OK):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
         return
     existed = os.path.lexists(path)
-    fd = open_log(path)
+    opened = open_log(path)
     try:
-        created = not existed and stat.S_ISREG(os.fstat(fd).st_mode)
+        mine = os.fstat(opened.fd)
+        created = (opened.refused is not None or not existed) and stat.S_ISREG(mine.st_mode)
     finally:
-        os.close(fd)
+        os.close(opened.fd)
     if created:
         try:
-            if os.stat(path).st_size == 0:
-                os.unlink(path)
+            now = os.stat(opened.path, follow_symlinks=False)
+            if now.st_size == 0 and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(opened.path)
         except OSError:
             pass
 
@@ -207,18 +390,29 @@ class PrivateDir:
     directory (not a link), owned by this user, with no group or other write permission.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, parent: int | None = None) -> None:
+        """``parent``: a descriptor of the directory ``path`` names an entry of (else its
+        parent is reached through trusted links only, as every path here)."""
         self.path = path
+        name = os.path.basename(path)
+        walk = None
+        if parent is None:
+            walk = _Walk(os.path.dirname(_abs(path)))
+            parent = walk.fd
         try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        try:
-            self.fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-                raise UnsafeFile(f"{path} is not a directory (a link or a file)") from None
-            raise
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o700, dir_fd=parent)
+            try:
+                self.fd = os.open(
+                    name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent
+                )
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+                    raise UnsafeFile(f"{path} is not a directory (a link or a file)") from None
+                raise
+        finally:
+            if walk is not None:
+                walk.close()
         try:
             st = os.fstat(self.fd)
             me = _uid()
@@ -231,6 +425,10 @@ class PrivateDir:
         except BaseException:
             os.close(self.fd)
             raise
+
+    def sub(self, name: str) -> PrivateDir:
+        """The private directory ``name`` inside this one (created ``0700`` if need be)."""
+        return PrivateDir(os.path.join(self.path, name), parent=self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -329,10 +527,44 @@ class PrivateDir:
             pass
 
 
-def user_temp_dir() -> PrivateDir:
-    """This user's private directory under the system temp directory (``attnguard-<uid>``)."""
-    import tempfile
+_IN_CACHE = os.path.join("attnguard", "run")
 
+
+def private_dir_candidates(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Where this user's private directory may be, best first (see :func:`private_dir`); the
+    one under the cache directory is the one whose parents may be made."""
+    env = os.environ if environ is None else environ
+    out = []
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime):
+        out.append(os.path.join(runtime, "attnguard"))
+    cache = env.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        home = env.get("HOME") or os.path.expanduser("~")
+        cache = os.path.join(home, ".cache") if os.path.isabs(home) else ""
+    if cache:
+        out.append(os.path.join(cache, _IN_CACHE))
     me = _uid()
-    user = str(me) if me is not None else os.environ.get("USERNAME", "user")
-    return PrivateDir(os.path.join(tempfile.gettempdir(), f"attnguard-{user}"))
+    user = str(me) if me is not None else env.get("USERNAME", "user")
+    tmp = next((env[v] for v in ("TMPDIR", "TEMP", "TMP") if os.path.isabs(env.get(v, ""))), "/tmp")
+    out.append(os.path.join(tmp, f"attnguard-{user}"))
+    return out
+
+
+def private_dir(environ: Mapping[str, str] | None = None) -> PrivateDir:
+    """This user's private directory: the first of :func:`private_dir_candidates` that is (or
+    can be made) a :class:`PrivateDir`. ``$XDG_RUNTIME_DIR/attnguard`` (a directory only you
+    can write to, made by your login session), else ``$XDG_CACHE_HOME/attnguard/run`` (in your
+    home), else ``$TMPDIR/attnguard-<uid>``: a name in a shared directory that another user
+    could take first, used only when neither of the others can be. Raises UnsafeFile naming
+    what each candidate lacked."""
+    tried = []
+    for path in private_dir_candidates(environ):
+        try:
+            if path.endswith(_IN_CACHE):
+                make_dirs(os.path.dirname(path))  # the cache's parents, as any program makes them
+            return PrivateDir(path)
+        except OSError as exc:
+            why = str(exc) if isinstance(exc, UnsafeFile) else exc.strerror or type(exc).__name__
+            tried.append(f"{path}: {why}")
+    raise UnsafeFile("no private directory (" + "; ".join(tried) + ")")

@@ -3,7 +3,9 @@
 Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
 and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
 line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
-Files are opened by :func:`attnguard.safefiles.open_log` (its rules: docs/files.md).
+Files are opened by :func:`attnguard.safefiles.open_log` (its rules: docs/files.md); a path
+another user occupies is replaced by a fresh file of this process's own, which the sink reports
+(:meth:`StreamSink.take_refusal`) for :mod:`attnguard.events` to say.
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ class StreamSink:
         self.update(fmt, threshold, ranks)
         self._fd: int | None = None
         self._opened: str | None = None  # the path the descriptor belongs to
+        # (path asked for, path used, why) when another user occupied the path: told once
+        self.refused: tuple[str, str, str] | None = None
         self._broken = False  # a file that failed once is not written again
         self._closed = False  # replaced by a settings change: late lines are dropped
         self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
@@ -103,9 +107,16 @@ class StreamSink:
         if self._fd is not None and p != self._opened:
             self._close()  # the rank was set after start-up (Ray): its own file from now on
         if self._fd is None:
-            self._fd = safefiles.open_log(p)
-            self._opened = p
+            opened = safefiles.open_log(p)
+            self._fd, self._opened = opened.fd, p
+            if opened.refused is not None:
+                self.refused = (p, opened.path, opened.refused)
         return self._fd
+
+    def take_refusal(self) -> tuple[str, str, str] | None:
+        """(path asked for, path used, why) once after the path was refused, else None."""
+        refused, self.refused = self.refused, None
+        return refused
 
     def wants(self, ed: dict[str, Any], console: bool = True) -> bool:
         if LEVELNO.get(ed.get("level", "info"), 20) < self.threshold:

@@ -8,11 +8,12 @@ At exit (``events._at_exit`` calls :func:`emit_exit_summary`, registered by acti
   ``summary`` for the whole job (``site="job"``) from rank 0, counted over every rank that
   reported, naming the ones that did not; the other ranks emit none. Each rank's record travels
   through the process group's key-value store when a group is up at exit, else through files in
-  a private rendezvous directory (:func:`job_dir_path`; the rules are
-  :class:`attnguard.safefiles.PrivateDir`'s). When neither can be had (no job identity from the
-  launcher, ranks on several nodes without a shared ``ATTNGUARD_LOG`` directory, a rendezvous
-  directory that is not safe to use), every rank emits its own process summary saying why (rank
-  0's on the console);
+  a private rendezvous directory (:func:`open_job_dir`: for a job on one host, in this user's
+  private directory, named after the job's identity and its launcher, so that two jobs alike in
+  every variable never meet; the rules are :class:`attnguard.safefiles.PrivateDir`'s). When
+  neither can be had (no job identity from the launcher, ranks on several nodes without a shared
+  ``ATTNGUARD_LOG`` directory, a rendezvous directory that is not safe to use), every rank emits
+  its own process summary saying why (rank 0's on the console);
 * a helper process (a DataLoader worker, a tool run by a guarded program) -> its own summary
   only when it changed or would have changed something; it never takes part in the job's.
 
@@ -46,7 +47,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import events, safefiles
+from . import events, launch, safefiles
 from .eventfiles import Key, Malformed, clean_keys, is_process_id, parse_line
 from .events import KINDS
 from .report import EVENT_HINTS, advice, headline, hint_for, kinds_of, level, story
@@ -110,6 +111,7 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
         "keys": [],
     }
     keys: dict[tuple[str, Any, Any], dict[str, Any]] = {}
+    sites: dict[str, dict[str, None]] = {}
     for r in sorted(per_rank):
         record = per_rank[r]
         out["rank_procs"][str(r)] = record.proc
@@ -124,12 +126,11 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
                 if name == "reasons" and not k.reason_code:
                     continue
                 table[ident] = table.get(ident, 0) + k.count
-                if r not in ranks.setdefault(ident, []):
-                    ranks[ident].append(r)
+                seen = ranks.setdefault(ident, [])
+                if not seen or seen[-1] != r:  # ranks come in order: one look, not a search
+                    seen.append(r)
             if k.site:
-                merged = out["sites"].setdefault(k.event, [])
-                if k.site not in merged:
-                    merged.append(k.site)
+                sites.setdefault(k.event, {})[k.site] = None  # ordered and unique
             entry = keys.setdefault(
                 (k.event, k.site, k.reason_code),
                 {
@@ -150,6 +151,7 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
         out["per_rank"][str(r)] = totals
         for kind in KINDS:
             out[kind] += totals[kind]
+    out["sites"] = {event: list(names) for event, names in sites.items()}
     out["keys"] = list(keys.values())
     return out
 
@@ -249,53 +251,83 @@ def _store() -> Any:
     return c10d._get_default_store()
 
 
-def job_dir_path(
-    environ: Mapping[str, str] | None = None, base: str | None = None, uid: int | None = None
-) -> str:
-    """The rendezvous directory of this job's ranks: named after the user and the job's
-    identity (``uid``: this process's), under the ATTNGUARD_LOG file's directory (the part before any placeholder) when a
-    log file is set, else under this user's private temp directory (one node only).
+_LOOPBACK = ("localhost", "::1", "0:0:0:0:0:0:0:1")
 
-    Raises JobSummaryUnavailable when the ranks cannot meet through files."""
-    env = os.environ if environ is None else environ
+
+def _may_span_hosts(env: Mapping[str, str]) -> bool:
+    """Whether the job's ranks may run on several hosts: LOCAL_WORLD_SIZE below WORLD_SIZE,
+    or, where the launcher did not say, a rendezvous address other than this host's loopback."""
+    try:
+        world = int(env.get("WORLD_SIZE", "1"))
+        if env.get("LOCAL_WORLD_SIZE"):
+            return int(env["LOCAL_WORLD_SIZE"]) < world
+    except ValueError:
+        return False
+    addr = env.get("MASTER_ADDR", "")
+    return not (addr in _LOOPBACK or addr.startswith("127."))
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _job_place(env: Mapping[str, str], launcher: str | None) -> tuple[str | None, str]:
+    """(the directory the job directory is in, or None for this user's private directory;
+    the job directory's name). Raises JobSummaryUnavailable when the ranks cannot meet."""
     if not (env.get("TORCHELASTIC_RUN_ID") or env.get("MASTER_PORT")):
         raise JobSummaryUnavailable(
             "no process group at exit and the launcher set neither TORCHELASTIC_RUN_ID nor "
             "MASTER_PORT, which tell this job's ranks apart"
         )
-    if base is None:
+    ident = [env.get(v, "") for v in JOB_VARS]
+    if _may_span_hosts(env):
         files = [t for t in events._state.settings.log_targets if t != "stderr"]
         if files:
             base = os.path.dirname(os.path.abspath(files[0]))
             while "{" in base:
                 base = os.path.dirname(base)
-        else:
-            try:
-                world = int(env.get("WORLD_SIZE", "1"))
-                local = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
-            except ValueError:
-                world = local = 1
-            if local < world:
-                raise JobSummaryUnavailable(
-                    "no process group at exit and ranks on several nodes: set ATTNGUARD_LOG to a "
-                    "file path on a shared file system for a job-wide summary"
-                )
-            try:
-                with safefiles.user_temp_dir() as tmp:
-                    base = tmp.path
-            except OSError as exc:
-                raise JobSummaryUnavailable(str(exc)) from None
-    ident = "\0".join(env.get(v, "") for v in JOB_VARS)
-    if uid is None:
-        uid = os.geteuid() if hasattr(os, "geteuid") else 0
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    return os.path.join(base, f".attnguard-job-{uid}-{digest}")
+            uid = os.geteuid() if hasattr(os, "geteuid") else 0
+            return base, f".attnguard-job-{uid}-{_digest(*ident)}"
+        if env.get("LOCAL_WORLD_SIZE"):
+            raise JobSummaryUnavailable(
+                "no process group at exit and ranks on several nodes: set ATTNGUARD_LOG to a "
+                "file path on a shared file system for a job-wide summary"
+            )
+    # One host: the ranks one launcher started (two jobs alike in every variable are two
+    # launches), in a directory only this user can write to.
+    return None, f"job-{_digest(*ident, launcher or launch.launcher_id())}"
+
+
+def job_dir_path(environ: Mapping[str, str] | None = None, launcher: str | None = None) -> str:
+    """Where this job's ranks meet (see :func:`open_job_dir`); ``launcher``: the
+    :func:`attnguard.launch.launcher_id` of the ranks (this process's by default). Makes this
+    user's private directory when it is the place. Raises JobSummaryUnavailable."""
+    env = os.environ if environ is None else environ
+    base, name = _job_place(env, launcher)
+    if base is None:
+        try:
+            with safefiles.private_dir(env) as own:
+                base = own.path
+        except OSError as exc:
+            raise JobSummaryUnavailable(str(exc)) from None
+    return os.path.join(base, name)
 
 
 def open_job_dir() -> safefiles.PrivateDir:
-    """The rendezvous directory, created if need be and checked (JobSummaryUnavailable)."""
-    path = job_dir_path()
+    """The rendezvous directory, created if need be and checked (JobSummaryUnavailable).
+
+    The ranks of a job on one host meet in this user's private directory
+    (:func:`attnguard.safefiles.private_dir`), under a name made of the job's identity and its
+    launcher: another user can neither create it first nor write into it, and another job with
+    the same identity has another launcher. Ranks that may run on several hosts meet beside the
+    ATTNGUARD_LOG file (a shared file system), under a name made of the job's identity."""
+    base, name = _job_place(os.environ, None)
+    path = name if base is None else os.path.join(base, name)
     try:
+        if base is None:
+            with safefiles.private_dir() as own:
+                path = os.path.join(own.path, name)
+                return own.sub(name)
         return safefiles.PrivateDir(path)
     except safefiles.UnsafeFile as exc:
         raise JobSummaryUnavailable(f"the rendezvous directory is not safe to use: {exc}") from None
@@ -344,7 +376,10 @@ def announce_alive() -> None:
     rendezvous directory, so that rank 0 waits for it while it runs. Never raises."""
     try:
         ctx = events.launch_context()
-        if events.is_helper() or ctx["world_size"] <= 1 or ctx["rank"] == 0:
+        if events.is_helper() or ctx["world_size"] <= 1:
+            return
+        launch.launcher_id()  # read now: the launcher may end before this rank does
+        if ctx["rank"] == 0:
             return
         with open_job_dir() as d:
             d.write(_alive_name(ctx["rank"]), f"{socket.gethostname()} {os.getpid()}".encode())

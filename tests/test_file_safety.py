@@ -16,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -55,35 +56,59 @@ def _free_port() -> int:
 
 
 def job_env(log_dir: Path, port: int, rank: int, **extra: str) -> dict[str, str]:
-    return subprocess_env(
-        ATTNGUARD="1",
-        ATTNGUARD_LOG=str(log_dir / "events-{rank}.jsonl"),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        **extra,
-    )
+    env = {
+        "ATTNGUARD": "1",
+        "ATTNGUARD_LOG": str(log_dir / "events-{rank}.jsonl"),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess_env(**{**env, **extra})
 
 
-def run_job(log_dir: Path, port: int, work: Path, rank1_guarded: bool = True) -> None:
+def private_run_dir(work: Path) -> Path:
+    """A stand-in for the login session's $XDG_RUNTIME_DIR: the victim's alone."""
+    path = work / "run"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def run_job(
+    log_dir: Path, port: int, work: Path, rank1_guarded: bool = True, **extra: str
+) -> list[str]:
+    """Both ranks to their end; returns what each wrote on stderr."""
     script = work / "worker.py"
     script.write_text(WORKER)
+    extra = {"XDG_RUNTIME_DIR": str(private_run_dir(work)), **extra}
     procs = []
     for rank in range(2):
-        env = job_env(log_dir, port, rank, WORKED_FLAG=str(work / "rank1-worked"))
+        env = job_env(log_dir, port, rank, WORKED_FLAG=str(work / "rank1-worked"), **extra)
         if rank == 1 and not rank1_guarded:
             env["ATTNGUARD"] = "0"
         procs.append(
             subprocess.Popen(
-                [PY, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+                [PY, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
             )
         )
+    errs = []
     for p in procs:
-        out, _ = p.communicate(timeout=120)
-        assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode(errors="replace")[-3000:]
+        errs.append(err.decode(errors="replace"))
+    return errs
+
+
+def meeting_place(log_dir: Path, port: int, work: Path) -> str:
+    """The rendezvous directory of a job that run_job starts: asked of a child of this
+    process, as the ranks are (their launcher is part of the name)."""
+    env = job_env(log_dir, port, 1, ATTNGUARD="0", XDG_RUNTIME_DIR=str(private_run_dir(work)))
+    code = "from attnguard import summary; print(summary.job_dir_path())"
+    res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip()
 
 
 def records(path: Path) -> list[dict[str, Any]]:
@@ -96,17 +121,18 @@ def summaries(path: Path) -> list[dict[str, Any]]:
     return [r for r in records(path) if r["event"] == "summary"]
 
 
-def rendezvous_names(log_dir: Path, port: int, uid: int) -> list[str]:
-    """Where the victim's job meets: the name an attacker predicts from the job's identity
-    (and, for the code before this fix, the name it used then: without the user)."""
+def predictable_names(log_dir: Path, tmp: Path, port: int, uid: int) -> list[str]:
+    """Every name another user can predict for a job's rendezvous from its identity (no secret:
+    ports and addresses are seen by all): what attnguard used beside the log file, with the
+    user and without, and the shared temp directory's attnguard-<uid>."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    names = []
-    if hasattr(summary, "job_dir_path"):
-        names.append(summary.job_dir_path(env, base=str(log_dir), uid=uid))
     ident = "\0".join(env.get(v, "") for v in summary.JOB_VARS)
-    old = ".attnguard-job-" + hashlib.sha256(ident.encode()).hexdigest()[:16]
-    names.append(str(log_dir / old))
-    return names
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return [
+        str(log_dir / f".attnguard-job-{uid}-{digest}"),
+        str(log_dir / f".attnguard-job-{digest}"),
+        str(tmp / f"attnguard-{uid}"),
+    ]
 
 
 # --- a second local user -------------------------------------------------------------------------
@@ -190,42 +216,100 @@ def _assert_no_forged_counts(log_dir: Path) -> None:
 # --- item 1: the job rendezvous directory ------------------------------------------------------
 
 
-def test_another_user_cannot_forge_or_redirect_a_jobs_summary(
+def test_another_user_can_neither_forge_nor_take_a_jobs_summary(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
+    """Another user plants a forged record and links to the victim's notes under every name
+    they can predict for the job's rendezvous (issue 22, item 1), and so took the job's summary
+    away (issue 27, item 12). The ranks of a job on one host meet in a directory only the
+    victim can write to, under a name that needs their launcher as well: the summary is whole,
+    nothing is forged, nothing of the victim's is touched."""
     notes = tmp_path / "notes.txt"
     notes.write_text(SECRET_NOTES)
     port = _free_port()
-    names = rendezvous_names(shared_dir, port, uid=os.geteuid())
+    names = predictable_names(shared_dir, shared_dir, port, uid=os.geteuid())
 
     def attack() -> None:
         for name in names:
             _plant(name, 0o1777, notes)
 
     as_user(other_user, attack)
-    run_job(shared_dir, port, tmp_path)
+    run_job(shared_dir, port, tmp_path, TMPDIR=str(shared_dir))
 
     assert notes.read_text() == SECRET_NOTES  # never truncated, never overwritten
     _assert_no_forged_counts(shared_dir)
-    # no job summary through a directory someone else owns; each rank says why in its own
-    (own0,) = summaries(shared_dir / "events-0.jsonl")
-    (own1,) = summaries(shared_dir / "events-1.jsonl")
-    assert own0["site"] == own1["site"] == "process"
-    assert (own0["applied"], own1["applied"]) == (2, 3)
-    for own in (own0, own1):
-        assert "no job-wide summary: the rendezvous directory is not safe to use" in own["reason"]
-        assert f"belongs to another user (uid {other_user[0]})" in own["reason"]
+    (job,) = summaries(shared_dir / "events-0.jsonl")
+    assert job["site"] == "job" and job["gathered_by"] == "files"
+    assert job["ranks"] == [0, 1] and job["missing_ranks"] == [] and job["ignored_records"] == []
+    assert job["applied"] == 2 + 3
+    assert summaries(shared_dir / "events-1.jsonl") == []  # rank 1 reported to rank 0
+
+
+def test_another_user_taking_the_temp_directory_name_costs_no_job_summary(
+    other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 27, item 12: with no log file the ranks met in $TMPDIR/attnguard-<uid>; another
+    user who made that directory first left every rank with its own summary. The ranks now meet
+    where only the victim can write (here the cache directory in their home: no
+    $XDG_RUNTIME_DIR), and the summary of the whole job comes."""
+    uid = os.geteuid()
+    taken = shared_dir / f"attnguard-{uid}"
+    as_user(other_user, lambda: (taken.mkdir(), taken.chmod(0o777)))
+    errs = run_job(
+        shared_dir,
+        _free_port(),
+        tmp_path,
+        ATTNGUARD_LOG="stderr",
+        ATTNGUARD_LOG_FORMAT="json",
+        TMPDIR=str(shared_dir),
+        XDG_RUNTIME_DIR="",
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+    )
+    lines = [json.loads(x) for x in errs[0].splitlines() if x.startswith("{")]
+    (job,) = [r for r in lines if r["event"] == "summary"]
+    assert job["site"] == "job" and job["ranks"] == [0, 1] and job["applied"] == 2 + 3
+    assert not any(
+        r["event"] == "summary"
+        for x in errs[1].splitlines()
+        if x.startswith("{")
+        for r in [json.loads(x)]
+    )
+    assert os.listdir(taken) == []  # nothing of the job's went to the other user's directory
+    assert (tmp_path / "cache" / "attnguard" / "run").stat().st_mode & 0o777 == 0o700
+
+
+def test_the_private_directory_is_the_first_nobody_else_can_take(tmp_path: Path) -> None:
+    """docs/files.md's order: the login session's runtime directory, else the cache directory
+    in your home, else (neither usable) $TMPDIR/attnguard-<uid>."""
+    from attnguard import safefiles
+
+    run, cache, tmp = tmp_path / "run", tmp_path / "cache", tmp_path / "tmp"
+    run.mkdir(mode=0o700)
+    tmp.mkdir()
+    (tmp_path / "a-file").write_text("")
+    uid = os.geteuid()
+    for env, want in (
+        ({"XDG_RUNTIME_DIR": str(run)}, run / "attnguard"),
+        ({"XDG_RUNTIME_DIR": "", "XDG_CACHE_HOME": str(cache)}, cache / "attnguard" / "run"),
+        (
+            {"XDG_CACHE_HOME": str(tmp_path / "a-file" / "cache"), "TMPDIR": str(tmp)},
+            tmp / f"attnguard-{uid}",
+        ),
+    ):
+        with safefiles.private_dir(env) as own:
+            assert own.path == str(want)
+        assert want.stat().st_mode & 0o777 == 0o700
 
 
 def test_a_rendezvous_directory_others_can_write_is_not_used(tmp_path: Path) -> None:
-    """The same-user imitation of the case above (any user can run it): the directory the job
-    would use already exists with a mode that lets others write (and a forged record in it)."""
+    """The same-user imitation of a directory taken first (any user can run it): the directory
+    the job would use already exists with a mode that lets others write (and a forged record in
+    it). It is not used, and each rank says why."""
     log_dir, notes = tmp_path / "logs", tmp_path / "notes.txt"
     log_dir.mkdir()
     notes.write_text(SECRET_NOTES)
     port = _free_port()
-    for name in rendezvous_names(log_dir, port, uid=os.geteuid()):
-        _plant(name, 0o777, notes)
+    _plant(meeting_place(log_dir, port, tmp_path), 0o777, notes)
     run_job(log_dir, port, tmp_path)
     assert notes.read_text() == SECRET_NOTES
     _assert_no_forged_counts(log_dir)
@@ -234,22 +318,168 @@ def test_a_rendezvous_directory_others_can_write_is_not_used(tmp_path: Path) -> 
     assert "can be written by other users (mode 0o777)" in own0["reason"]
 
 
-def test_a_malformed_rank_record_is_named_not_fatal(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("record", "why"),
+    [
+        ({**FAKE_RECORD, "events": {"backend_fallback": "many"}}, "not a record of this rank"),
+        # issue 27, item 9: "²" is a digit to str.isdigit(), not to int()
+        (
+            {
+                "v": 2,
+                "rank": 1,
+                "proc": "0123456789abcdef",
+                "keys": [{"event": "internal_error", "count": 999, "ranks": {"²": 999}}],
+            },
+            "a per-rank key is not a rank",
+        ),
+    ],
+)
+def test_a_malformed_rank_record_is_named_not_fatal(
+    tmp_path: Path, record: dict[str, Any], why: str
+) -> None:
     """A record that is not what attnguard writes (left by anything that can write the user's
-    own directory) is left out and named in the job summary, which still comes."""
+    own directory, or posted in the store) is left out and named in the job summary, which
+    still comes."""
     port = _free_port()
     notes = tmp_path / "notes.txt"
     notes.write_text(SECRET_NOTES)
-    malformed = {**FAKE_RECORD, "events": {"backend_fallback": "many"}}
-    for name in rendezvous_names(tmp_path, port, uid=os.geteuid()):
-        _plant(name, 0o700, notes, malformed)
+    _plant(meeting_place(tmp_path, port, tmp_path), 0o700, notes, record)
     run_job(tmp_path, port, tmp_path, rank1_guarded=False)
     assert notes.read_text() == SECRET_NOTES
     (job,) = summaries(tmp_path / "events-0.jsonl")
     assert job["site"] == "job" and job["ranks"] == [0] and job["applied"] == 2
-    assert job["ignored_records"] == ["rank 1: not a record of this rank"]
-    assert "1 rank record(s) ignored: rank 1: not a record of this rank" in job["reason"]
+    assert job["ignored_records"] == [f"rank 1: {why}"]
+    assert f"1 rank record(s) ignored: rank 1: {why}" in job["reason"]
     _assert_no_forged_counts(tmp_path)
+
+
+# --- two jobs alike in every variable (issue 27, item 1) -------------------------------------------
+
+# torchrun's agent, standing in: it starts the ranks and waits for them (reaping each as it ends)
+LAUNCHER = """
+import os, subprocess, sys
+for rank in range(2):
+    env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), ATTNGUARD="1")
+    cmd = [sys.executable, sys.argv[1]]
+    if rank == 1 and os.environ.get("WRAP"):  # a wrapper script of the rank's, as with
+        cmd = ["sh", "-c", '"$0" "$1"; exit $?', *cmd]  # torchrun --no-python: a child of it
+    subprocess.Popen(cmd, env=env)
+codes = [os.waitstatus_to_exitcode(os.wait()[1]) for _ in range(2)]
+sys.exit(max(codes))
+"""
+
+# A rank: records its changes, says it is ready, ends when the test lets it.
+RANK = """
+import os, time
+from attnguard import events
+
+job, rank, flags = os.environ["JOB"], int(os.environ["RANK"]), os.environ["FLAGS"]
+for _ in range(int(os.environ["CHANGES"].split(",")[rank])):
+    events.emit("device_map_rewritten", site="transformers.load", reason_code="device_map_per_rank",
+                reason="one replica per rank", applied=True)
+ready = os.path.join(flags, f"ready-{job}-{rank}")
+with open(ready + ".tmp", "w") as fh:
+    fh.write(str(os.getpid()))
+os.replace(ready + ".tmp", ready)
+while not os.path.exists(os.path.join(flags, f"go-{job}-{rank}")):
+    time.sleep(0.01)
+"""
+
+
+def _ended(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def _wait_for(what: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def start_jobs(tmp_path: Path, changes: dict[str, tuple[int, int]], **extra: str) -> Any:
+    """One stand-in launcher per job, each starting two ranks that log with {pid} into one
+    directory (returned with the launchers); every job alike in every variable."""
+    logs, flags = tmp_path / "logs", tmp_path / "flags"
+    logs.mkdir()
+    flags.mkdir()
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "rank.py").write_text(RANK)
+    env = job_env(
+        logs,
+        _free_port(),
+        0,
+        ATTNGUARD="0",  # the launcher is not guarded (nor is torchrun's): its ranks are
+        ATTNGUARD_LOG=str(logs / "ag-{pid}.jsonl"),
+        FLAGS=str(flags),
+        XDG_RUNTIME_DIR=str(private_run_dir(tmp_path)),
+        **extra,
+    )
+    del env["RANK"], env["LOCAL_RANK"]  # the launcher's own: it is no rank
+    launchers = [
+        subprocess.Popen(
+            [PY, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")],
+            env=dict(env, JOB=job, CHANGES=",".join(map(str, changes[job]))),
+        )
+        for job in changes
+    ]
+    return logs, flags, launchers
+
+
+def end_jobs(
+    flags: Path, launchers: list[Any], order: list[tuple[str, int]]
+) -> dict[tuple[str, int], int]:
+    """Let the ranks end one by one in ``order``, each after the one before has ended; returns
+    every rank's pid."""
+    try:
+        ready = [flags / f"ready-{job}-{rank}" for job, rank in order]
+        _wait_for(lambda: all(p.exists() for p in ready))
+        pid = {(p.name[6], int(p.name[8])): int(p.read_text()) for p in ready}
+        for job, rank in order:
+            (flags / f"go-{job}-{rank}").touch()
+            _wait_for(lambda job=job, rank=rank: _ended(pid[job, rank]))
+        assert [p.wait(timeout=60) for p in launchers] == [0] * len(launchers)
+    finally:
+        for p in launchers:
+            p.kill()
+    return pid
+
+
+def assert_job_summary(logs: Path, pid: dict[tuple[str, int], int], job: str, applied: int) -> None:
+    """Rank 0's summary of job ``job``: every rank, its own rank 1's record."""
+    (job_summary,) = summaries(logs / f"ag-{pid[job, 0]}.jsonl")
+    (rank1_activated,) = [
+        r for r in records(logs / f"ag-{pid[job, 1]}.jsonl") if r["event"] == "activated"
+    ]
+    assert job_summary["site"] == "job", job_summary["reason"]
+    assert job_summary["ranks"] == [0, 1] and job_summary["missing_ranks"] == []
+    assert job_summary["applied"] == applied, job_summary["reason"]
+    assert job_summary["rank_procs"]["1"] == rank1_activated["proc"]  # its own rank 1's
+
+
+def test_two_jobs_alike_in_every_variable_keep_their_own_counts(tmp_path: Path) -> None:
+    """Two jobs with one launcher identity (no run id, 127.0.0.1 and one port, world 2) log
+    with {pid} into one directory, no process group at exit; each has its own launcher. The
+    ranks end in the order that let one job's rank 0 take the other's record (A1, B1, A0, B0):
+    job A said 4 changes (it made 2), job B that its rank 1 "announced no event". Each job's
+    summary counts its own ranks now, every one of them."""
+    changes = {"A": (1, 1), "B": (1, 3)}
+    logs, flags, launchers = start_jobs(tmp_path, changes)
+    pid = end_jobs(flags, launchers, [("A", 1), ("B", 1), ("A", 0), ("B", 0)])
+    for job, (n0, n1) in changes.items():
+        assert_job_summary(logs, pid, job, n0 + n1)
+
+
+def test_a_rank_started_through_a_wrapper_script_meets_its_job(tmp_path: Path) -> None:
+    """The launcher is the ranks' parent, looking through a wrapper process of one rank (a
+    shell started with the rank's own variables): rank 1 here is a child of `sh -c`."""
+    logs, flags, launchers = start_jobs(tmp_path, {"A": (1, 2)}, WRAP="1")
+    pid = end_jobs(flags, launchers, [("A", 1), ("A", 0)])
+    assert_job_summary(logs, pid, "A", 1 + 2)
 
 
 # --- item 2: the log file ------------------------------------------------------------------------
@@ -257,27 +487,55 @@ def test_a_malformed_rank_record_is_named_not_fatal(tmp_path: Path) -> None:
 ACTIVATE = "import attnguard; print('ran', attnguard.settings().enabled)"
 
 
-def _run_guarded(log: str) -> subprocess.CompletedProcess[str]:
+def _run_guarded(log: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [PY, "-c", ACTIVATE],
-        env=subprocess_env(ATTNGUARD="1", ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json"),
+        env=subprocess_env(ATTNGUARD="1", ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json", **env),
         capture_output=True,
         text=True,
         timeout=120,
     )
 
 
+def _went_around(res: subprocess.CompletedProcess[str], asked: Path, where: Path) -> Path:
+    """The guard stayed on and said, once and on stderr too, why ``asked`` was not used and
+    which fresh file of its own (in ``where``) holds this process's events instead; returns
+    that file."""
+    assert res.returncode == 0 and res.stdout == "ran True\n", res.stderr
+    (used,) = where.glob(f"{asked.stem}.*{asked.suffix}")
+    assert used.stat().st_uid == os.geteuid()
+    events = records(used)
+    assert [e["event"] for e in events] == ["activated", "observed", "summary"], events
+    refused = events[1]
+    assert refused["reason_code"] == "log_path_refused" and refused["level"] == "warning"
+    assert refused["log_file"] == str(used)
+    assert f"ATTNGUARD_LOG: {asked} is not used (" in refused["reason"]
+    assert f"writes its events to {used} instead" in refused["reason"]
+    assert res.stderr == f"attnguard WARNING: {refused['reason']}\n"
+    return used
+
+
 def test_another_users_link_in_a_shared_directory_is_not_followed(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
+    """Issue 22, item 2: the planted link is never followed. Issue 27, item 12: nor does it turn
+    the guard off any more; the events go to a fresh file beside it, named, that nobody could
+    have planted (its name is random and it is created O_EXCL)."""
     notes = tmp_path / "notes.txt"
     notes.write_text(SECRET_NOTES)
-    as_user(other_user, lambda: os.symlink(str(notes), str(shared_dir / "ag-0.jsonl")))
+    planted = shared_dir / "ag-0.jsonl"
+    as_user(other_user, lambda: os.symlink(str(notes), str(planted)))
     res = _run_guarded(str(shared_dir / "ag-{rank}.jsonl"))
-    assert res.returncode == 0 and res.stdout == "ran False\n"  # the program runs, unguarded
     assert notes.read_text() == SECRET_NOTES
-    assert "attnguard: invalid ATTNGUARD_LOG=" in res.stderr
     assert f"is a symbolic link that belongs to another user (uid {other_user[0]})" in res.stderr
+    _went_around(res, planted, shared_dir)
+    # `attnguard run` starts the command (which goes around the link the same way) and leaves
+    # no file of its own check behind
+    before = set(shared_dir.iterdir())
+    res = _attnguard_run(tmp_path, ATTNGUARD_LOG=str(planted))
+    assert res.returncode == 0 and (tmp_path / "command-ran").exists(), res.stderr
+    assert len(set(shared_dir.iterdir()) - before) == 1  # the command's own file
+    assert notes.read_text() == SECRET_NOTES
 
 
 def test_another_users_file_is_not_appended_to(
@@ -286,9 +544,31 @@ def test_another_users_file_is_not_appended_to(
     planted = shared_dir / "ag-0.jsonl"
     as_user(other_user, lambda: (planted.write_text(""), planted.chmod(0o666)))
     res = _run_guarded(str(shared_dir / "ag-{rank}.jsonl"))
-    assert res.returncode == 0 and res.stdout == "ran False\n"
     assert planted.read_text() == ""  # nothing of the victim's run went to the other user
     assert f"belongs to another user (uid {other_user[0]})" in res.stderr
+    _went_around(res, planted, shared_dir)
+
+
+def test_another_users_directory_link_on_the_log_path_is_not_followed(
+    other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 27, item 6: /tmp/agshared -> the victim's project, planted by another user. Only
+    the last component's links were checked, so the victim's own ag-0.jsonl there grew. Every
+    link on the way is checked now; the events go to a fresh file in the victim's private
+    directory (the link's directory is the other user's to point anywhere)."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "ag-0.jsonl").write_text(SECRET_NOTES)
+    link = shared_dir / "agshared"
+    as_user(other_user, lambda: os.symlink(str(project), str(link)))
+    run = private_run_dir(tmp_path)
+    res = _run_guarded(str(link / "ag-{rank}.jsonl"), XDG_RUNTIME_DIR=str(run))
+    assert (project / "ag-0.jsonl").read_text() == SECRET_NOTES
+    assert os.listdir(project) == ["ag-0.jsonl"]  # nothing created in the victim's project
+    assert f"{link} is a symbolic link that belongs to another user (uid {other_user[0]})" in (
+        res.stderr
+    )
+    _went_around(res, link / "ag-0.jsonl", run / "attnguard")
 
 
 def test_your_own_links_and_dev_stderr_still_work(tmp_path: Path) -> None:

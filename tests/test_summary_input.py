@@ -97,6 +97,49 @@ def test_a_file_of_nothing_usable_fails(tmp_path: Path) -> None:
     assert res.stdout.rstrip().endswith("no attnguard events found in these files")
 
 
+def test_a_rank_key_of_other_digits_is_malformed_not_fatal(tmp_path: Path) -> None:
+    """Issue 27, item 9: "²" passes str.isdigit() and fails int(). The record is named and
+    skipped like any malformed one; the good file beside it still counts."""
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(GOOD) + "\n")
+    key = {"event": "backend_fallback", "count": 1, "applied": 1, "ranks": {"²": 1}}
+    bad.write_text(json.dumps({**GOOD, "event": "summary", "site": "job", "keys": [key]}) + "\n")
+    res = cli(str(good), str(bad))
+    assert res.returncode == 0, res.stderr
+    assert "1 change(s) applied" in res.stdout
+    assert f"skipped 1 malformed line(s) in {bad}" in res.stdout
+
+
+class CountingSite(str):
+    """A site name that counts how often it is compared: a merge that searches a list of the
+    names seen so far compares each new one with all of them (quadratic in the entries)."""
+
+    compared = 0
+
+    def __eq__(self, other: object) -> bool:
+        CountingSite.compared += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_merging_is_linear_in_the_entries() -> None:
+    """Issue 27, item 10: 100,000 entries (12 MB, within the cap) took 135 s. Every entry here
+    has its own process, rank and site under one (event, reason): the merge may compare a site
+    with others only on a hash collision, never with every site seen before (n * n / 2 = 2
+    million comparisons at n = 2000). Time itself is measured in bench/bench_summary.py."""
+    n = 2000
+    records = [
+        {**GOOD, "proc": f"{i:016x}", "rank": i, "site": CountingSite(f"site-{i}")}
+        for i in range(n)
+    ]
+    CountingSite.compared = 0
+    result = eventfiles.merge_records(records)
+    (row,) = result["rows"]
+    assert row["count"] == n and len(row["sites"]) == n and row["ranks"] == list(range(n))
+    assert CountingSite.compared <= n, CountingSite.compared
+
+
 # --- special files -------------------------------------------------------------------------------
 
 
