@@ -8,8 +8,11 @@ It is also where attnguard's call-time wrappers live for pickle (importing this 
 nothing): a wrapper of ``pkg.mod.func`` is pickled by reference as
 ``_attnguard_hook."attnguard:pkg/mod:func"``, which the module ``__getattr__`` below answers with
 that very wrapper in the process that made it, and in any other process with that process's own
-wrapper of the same name when it has one, else with whatever ``pkg.mod.func`` is there (the
-original, or its guarded replacement).
+wrapper of the same name when it has one, else with the function ``pkg.mod.func`` itself (or its
+guarded replacement) -- only when that is a function of a library attnguard guards, defined under
+that very name. Anything else is refused before anything is imported: this module is importable
+in every process of an environment where attnguard is installed, so it must never resolve a name
+a plain pickle would show for what it is (``os.system``).
 """
 
 import os
@@ -73,21 +76,46 @@ def register_picklable(wrapper: object, module: str, qualname: str) -> str:
     return name
 
 
+# The libraries whose functions attnguard wraps (attnguard.config.INTEGRATIONS): the only
+# modules a name may make this module import.
+LIBRARIES = ("transformers", "flash_attn", "xformers")
+
+
+def _held(name: str) -> object:
+    ref = _wrappers.get(name)
+    return ref() if ref is not None else None
+
+
 def __getattr__(name: str) -> object:
     if not name.startswith(_PREFIX):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    ref = _wrappers.get(name)
-    held = ref() if ref is not None else None
+    held = _held(name)
     if held is not None:
         return held  # the pickling process: pickle checks it finds the very object
-    import importlib
-
     module, _, qualname = name[len(_PREFIX) :].split("~", 1)[0].partition(":")
-    obj: object = importlib.import_module(module.replace("/", "."))
-    ref = _wrappers.get(name)  # the import may have patched it here: this process's own wrapper
-    held = ref() if ref is not None else None
+    module, qualname = module.replace("/", "."), qualname.replace("/", ".")
+    refused = AttributeError(
+        f"module {__name__!r} has no attribute {name!r}: it resolves only functions of "
+        f"{', '.join(LIBRARIES)} that attnguard wraps"
+    )
+    if module.partition(".")[0] not in LIBRARIES or not qualname:
+        raise refused
+    import importlib
+    import types
+
+    obj: object = importlib.import_module(module)
+    held = _held(name)  # the import may have patched it here: this process's own wrapper
     if held is not None:
         return held
-    for part in qualname.split("/"):
-        obj = getattr(obj, part)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    # what a guarded replacement stands for, else the object itself: a plain function defined
+    # under this very name (never one reached through another module: ``os.system``)
+    function = getattr(obj, "__attnguard_original__", obj)
+    if (
+        type(function) is not types.FunctionType
+        or getattr(function, "__module__", None) != module
+        or getattr(function, "__qualname__", None) != qualname
+    ):
+        raise refused
     return obj
