@@ -2,7 +2,9 @@
 
 Installed at the top of site-packages and run by ``attnguard.pth`` (every Python) or by
 ``attnguard.start`` (PEP 829, Python >= 3.15). With ATTNGUARD unset or 0 it returns after one
-environment lookup and imports nothing. It never raises: a broken guard must not break Python.
+environment lookup and imports nothing. With it on, it checks the settings and waits: attnguard
+activates when the program first imports a library it guards (:mod:`attnguard._bootstrap`). It
+never raises: a broken guard must not break Python.
 
 It is also where attnguard's call-time wrappers live for pickle (importing this module activates
 nothing): a wrapper of ``pkg.mod.func`` is pickled by reference as
@@ -28,13 +30,14 @@ _OFF = ("", "0", "false", "no", "off")
 
 
 def start() -> None:
-    """Activate attnguard if the ATTNGUARD switch is on; swallow every error."""
+    """If the ATTNGUARD switch is on: check the settings and let attnguard activate when the
+    program imports a library it guards; swallow every error."""
     global in_progress
     if os.environ.get("ATTNGUARD", "").strip().lower() in _OFF:
         return
     in_progress = True
     try:
-        import attnguard  # noqa: F401  (importing activates, reading ATTNGUARD_* settings)
+        import attnguard  # noqa: F401  (in the hook: checks ATTNGUARD_*, then waits)
     except BaseException as exc:  # never break the interpreter
         try:
             sys.stderr.write(f"attnguard: start-up hook failed, running unguarded: {exc!r}\n")

@@ -340,8 +340,8 @@ def test_only_the_attnguard_command_itself_is_exempt() -> None:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         assert res.returncode == 0 and res.stderr == "", (cmd, res.stderr)
         assert res.stdout == f"attnguard {attnguard.__version__}\n"
-    # the same settings in a program: its activation is on stderr
-    res = run_py("import attnguard", env=env)
+    # the same settings in a program that uses attnguard: its activation is on stderr
+    res = run_py("import attnguard; attnguard.is_active()", env=env)
     assert '"event": "activated"' in res.stderr
 
 
