@@ -51,9 +51,9 @@ def cli() -> None:
     """Entry point of the ``attnguard`` command (kept here so importing it activates nothing)."""
     global in_cli
     in_cli = True
-    from attnguard.cli import main
+    from attnguard.cli import run_as_command
 
-    sys.exit(main())
+    run_as_command()
 
 
 # --- pickling call-time wrappers by reference ----------------------------------------------------
