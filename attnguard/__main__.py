@@ -1,5 +1,3 @@
-import sys
+from .cli import run_as_command
 
-from .cli import main
-
-sys.exit(main())
+run_as_command()

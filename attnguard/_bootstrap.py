@@ -1,12 +1,25 @@
 """Environment -> activate(), for ``import attnguard``, the start-up hook and ``attnguard run``.
 
-Imports nothing heavy at module level: the start-up hook loads this in every guarded process.
+``ATTNGUARD=1`` is set once for a whole environment, so the start-up hook runs in every Python
+there: pip, shells' tools, tokenizer and DataLoader workers, launchers. In the hook nothing of the
+guard is imported until the program imports a library attnguard patches: the hook checks the
+ATTNGUARD_* values (a bad one is said at start-up, and the process runs unguarded), marks the
+process for its children (:func:`attnguard.launch.mark_process`) and puts :class:`_Watcher` in
+front of ``sys.meta_path``. The first import of transformers, flash_attn or xformers (or a
+call of attnguard's API) activates attnguard then, before that library's code runs, so its
+post-import patches land exactly as when attnguard was active from the start. A process that
+never imports them pays for this module, :mod:`attnguard.config` and :mod:`attnguard.launch`
+(standard-library ``os`` and ``sys`` only; bench/bench_startup.py measures it).
+
+Imports nothing heavy at module level.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from . import config, launch
 
 
 def _in_startup_hook() -> bool:
@@ -85,28 +98,121 @@ def _is_cli_process() -> bool:
 _reported = False
 
 
+def _say_once(line: str) -> None:
+    """One line on stderr, once per process (the hook's channel: no logging configured yet)."""
+    global _reported
+    if _reported:
+        return
+    _reported = True
+    try:
+        sys.stderr.write(line + "\n")
+    except BaseException:
+        pass
+
+
+def _say_unknown_variables() -> None:
+    """Misspelled ATTNGUARD_* variables, one line each on stderr; the guard runs without them."""
+    try:
+        for line in config.unknown_variables():
+            sys.stderr.write(line + "\n")
+    except Exception:
+        pass
+
+
 def activate_from_env() -> None:
     """Activate with ATTNGUARD_* settings.
 
     From user code a bad setting raises ValueError. Inside the interpreter start-up hook it is
-    printed once to stderr and the program runs unguarded: the hook never breaks Python.
+    printed once to stderr and the program runs unguarded: the hook never breaks Python; there
+    the settings are checked now and activation waits for a library to guard (:class:`_Watcher`).
     """
-    global _reported
-    from .runtime import activate
-
     if _is_cli_process():
         return
     if _in_startup_hook() and _is_launcher_process():
         return
     if not _in_startup_hook():
+        from .runtime import activate
+
+        if not launch.mark_process():  # a helper's parent said it already
+            _say_unknown_variables()
         activate()
         return
     try:
+        config.check()
+    except ValueError as exc:
+        _say_once(f"{exc} (attnguard is off for this process)")
+        return
+    # Marked now, not at activation: children started before it are this process's helpers.
+    if not launch.mark_process():
+        _say_unknown_variables()
+    _arm()
+
+
+def _activate_reporting() -> None:
+    """Activate where no caller can take an error (the hook's deferred activation): a failure
+    is one line on stderr and the program runs unguarded."""
+    from .runtime import activate
+
+    try:
         activate()
-    except BaseException as exc:
-        if not _reported:
-            _reported = True
-            try:
-                sys.stderr.write(f"{exc} (attnguard is off for this process)\n")
-            except BaseException:
-                pass
+    except Exception as exc:
+        _say_once(f"{exc} (attnguard is off for this process)")
+
+
+# --- waiting for a library to guard ----------------------------------------------------------
+
+
+class _Watcher:
+    """First on ``sys.meta_path`` while the start-up hook waits: the first import of a library
+    attnguard patches activates attnguard, then the import goes on through the other finders,
+    the post-import hook finder that activation put in front included (importlib asks each finder
+    under the import lock, so no other thread imports meanwhile)."""
+
+    def __init__(self, libraries: frozenset[str]) -> None:
+        self.libraries = libraries
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
+        if fullname.partition(".")[0] not in self.libraries or _watcher is not self:
+            return None
+        activate_pending()
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+_watcher: _Watcher | None = None
+
+
+def _arm() -> None:
+    global _watcher
+    libraries = frozenset(config.INTEGRATIONS)
+    if any(name in sys.modules for name in libraries):
+        _activate_reporting()  # one was imported before the hook ran (another .pth file)
+        return
+    _watcher = _Watcher(libraries)
+    sys.meta_path.insert(0, _watcher)
+
+
+def _disarm() -> bool:
+    """Stop waiting; True when the start-up hook was waiting."""
+    global _watcher
+    watcher, _watcher = _watcher, None
+    if watcher is None:
+        return False
+    try:
+        sys.meta_path.remove(watcher)
+    except ValueError:
+        pass
+    return True
+
+
+def activate_pending() -> None:
+    """Activate now when the start-up hook is waiting for a library to guard (the program
+    imports one, or calls attnguard's API); otherwise nothing."""
+    if _disarm():
+        _activate_reporting()

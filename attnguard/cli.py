@@ -6,8 +6,15 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
+
+DESCRIPTION = (
+    "Runtime guard for attention backends in PyTorch / transformers. Commands: attnguard run -- "
+    "CMD (run CMD with ATTNGUARD=1), attnguard doctor (this machine's facts and plan), attnguard "
+    "summary FILES (merge per-rank event files)."
+)
 
 
 def _run(cmd: Sequence[str]) -> int:
@@ -50,7 +57,7 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnguard", description=__doc__)
+    parser = argparse.ArgumentParser(prog="attnguard", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"attnguard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a command with ATTNGUARD=1")
@@ -86,5 +93,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+def run_as_command() -> None:
+    """The ``attnguard`` command and ``python -m attnguard``: :func:`main` in a process of its
+    own, with the signals a command-line tool has. Python ignores SIGPIPE and SIGXFSZ; a tool
+    whose reader went away (``attnguard summary ... | head -1``) ends quietly by SIGPIPE as cat
+    does, and ``attnguard run`` hands its command the dispositions it would get from a shell."""
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run_as_command()

@@ -1,16 +1,25 @@
 """Settings: the one place that reads ATTNGUARD_* variables and validates them.
 
-Every other module receives a :class:`Settings`; none reads the environment itself.
-An invalid value raises ``ValueError`` naming the variable, the value and the valid values.
+Every other module receives a :class:`Settings` (:mod:`attnguard._settings`, re-exported here);
+none reads the environment itself. An invalid value raises ``ValueError`` naming the variable,
+the value and the valid values; a variable that is no setting (a misspelling) gets one line.
+
+Light on purpose: the start-up hook checks the raw values with :func:`check` in every guarded
+process, long before (and often instead of) anything else of attnguard, so this module imports
+``os`` only (no dataclasses, typing, re or string; the closest-name search imports difflib when
+a misspelling is there to name).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
+
+    from ._settings import Settings
 
 MODES = ("fix", "warn", "strict", "off")
 LOG_FORMATS = ("auto", "json", "console")
@@ -41,75 +50,24 @@ REMEDIES = (
     "reroute",  # send one call to SDPA when the kernel cannot take it
     "recover",  # re-run a call on SDPA after a known kernel error
 )
+# Integration names are the top-level packages they patch: the start-up hook activates
+# attnguard when one of these is first imported (attnguard._bootstrap).
 INTEGRATIONS = ("transformers", "flash_attn", "xformers")
 
+# ATTNGUARD (the switch) and its words, as the start-up hook's .pth line reads them too.
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+SWITCH_HELP = "1 | true | yes | on (guard on) or 0 | false | no | off | empty (guard off)"
+# Variables attnguard sets itself for its children (never a user's setting to check).
+INTERNAL_PREFIX = "ATTNGUARD_INTERNAL_"
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Validated attnguard settings (see README "Configuration")."""
+def __getattr__(name: str) -> Any:
+    if name == "Settings":  # the class lives apart: its dataclass import is not light
+        from ._settings import Settings
 
-    enabled: bool = True
-    mode: str = "fix"
-    disable: frozenset[str] = field(default_factory=frozenset)
-    log: str = "stderr"
-    log_format: str = "auto"
-    log_level: str = "auto"
-    console_ranks: tuple[int, ...] | None = None  # None: every rank
-    dtype: str = "auto"
-    fallback: tuple[str, ...] = ("sdpa", "eager")
-    fp32_policy: str = "cast"
-    kernel: str = "requested"
-
-    @property
-    def fastest(self) -> bool:
-        """ATTNGUARD_KERNEL=fastest: flash-attention calls race for the fastest kernel."""
-        return self.kernel == "fastest" and self.enabled
-
-    def allows(self, name: str) -> bool:
-        """True when remedy or integration ``name`` is not disabled."""
-        return name not in self.disable
-
-    @property
-    def changes_things(self) -> bool:
-        """True in the modes that apply remedies (fix); warn/strict/off change nothing."""
-        return self.mode == "fix" and self.enabled
-
-    @property
-    def log_targets(self) -> tuple[str, ...]:
-        """Where the text stream goes: ``"stderr"`` and/or file path templates (none: empty)."""
-        if not self.enabled or self.log == "none":
-            return ()
-        return tuple(t.strip() for t in self.log.split(",") if t.strip())
-
-    def format_for(self, target: str) -> str:
-        """The line format of one target: JSON for files, console for a terminal stderr."""
-        if self.log_format != "auto":
-            return self.log_format
-        if target != "stderr":
-            return "json"  # files are for machines
-        try:
-            import sys
-
-            return "console" if sys.stderr.isatty() else "json"
-        except Exception:
-            return "json"
-
-    def threshold_for(self, target: str) -> str:
-        """The lowest event level written to one target (``ATTNGUARD_LOG_LEVEL``)."""
-        if self.log_level != "auto":
-            return self.log_level
-        return "warning" if target == "stderr" else "info"
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-friendly view, for the ``activated`` event."""
-        d = dataclasses.asdict(self)
-        d["disable"] = sorted(self.disable)
-        d["fallback"] = list(self.fallback)
-        d["console_ranks"] = "all" if self.console_ranks is None else list(self.console_ranks)
-        return d
+        return Settings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # A message shows at most this much of a bad value (a 1 MB value is not echoed back whole).
@@ -157,22 +115,22 @@ def _switch(var: str, value: str) -> bool:
         return True
     if v in _FALSE:
         return False
-    raise _bad(var, value, "1 | 0")
+    raise _bad(var, value, SWITCH_HELP)
 
 
 def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
     """Why a file target cannot be used, or None. Placeholders first, then the path this
     process would write (its RANK and pid): not a directory, in a directory we may write to.
     Nothing is created here; the file is opened when attnguard activates."""
-    import string  # only for file targets: the start-up hook stays light
+    from _string import formatter_parser  # string.Formatter's parser, without importing re
 
-    from .safefiles import path_problem
+    from .safefiles import MAX_NAME, path_problem
 
     why = path_problem(template)
     if why is not None:
         return why
     try:
-        fields = list(string.Formatter().parse(template))
+        fields = list(formatter_parser(template))
     except ValueError as exc:
         return f"malformed placeholder: {exc}"
     for _, name, spec, conversion in fields:
@@ -182,12 +140,16 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
             return f"placeholder {shown('{' + name + '}')} is not one of {{rank}}, {{pid}}"
         if conversion is not None:
             return f"placeholder {{{name}!{conversion}}} takes no conversion"
+        placeholder = shown("{" + name + ":" + (spec or "") + "}")
+        too_wide = _widest(spec or "", MAX_NAME)
+        if too_wide is not None:
+            return f"{placeholder} asks for {too_wide}: a path component holds at most {MAX_NAME}"
         try:
             if "{" in (spec or "") or "}" in (spec or ""):
                 raise ValueError
             format(0, spec or "")
         except (ValueError, TypeError):
-            return f"{shown('{' + name + ':' + (spec or '') + '}')} has no valid int format spec"
+            return f"{placeholder} has no valid int format spec"
     try:
         rank = int(environ.get("RANK", "0") or 0)
     except ValueError:
@@ -213,6 +175,23 @@ def _log_problem(template: str, environ: Mapping[str, str]) -> str | None:
         return f"{shown(parent, quote=False)} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{shown(parent, quote=False)} is not writable"
+    return None
+
+
+def _widest(spec: str, limit: int) -> str | None:
+    """What in a format spec asks for more characters than a path component holds (a width of
+    a billion would allocate gigabytes at every start-up before failing), or None. Every number
+    in a spec is a width or a precision; a fill character is followed by its alignment."""
+    digits = ""
+    for ch in spec + ":":
+        if "0" <= ch <= "9":
+            digits += ch
+            continue
+        number = digits.lstrip("0")
+        if len(number) > len(str(limit)) or (number and int(number) > limit):
+            shown_number = number if len(number) <= 12 else f"a {len(number)}-digit number"
+            return f"a field of {shown_number} characters"
+        digits = ""
     return None
 
 
@@ -318,7 +297,18 @@ def load(
     ``import attnguard`` means "guard this program", so a missing ATTNGUARD counts as on here;
     the start-up hook only imports attnguard when ATTNGUARD is on.
     """
-    env = os.environ if environ is None else environ
+    from ._settings import Settings
+
+    return Settings(**_values(os.environ if environ is None else environ, overrides))
+
+
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """Validate the ATTNGUARD_* variables as :func:`load` does (the same ValueError), without
+    building Settings: what the start-up hook runs in every guarded process."""
+    _values(os.environ if environ is None else environ, None)
+
+
+def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for var, fld in _ENV.items():
         raw = env.get(var)
@@ -332,4 +322,31 @@ def load(
         values[key] = _parse(key, value, env)
     if values.get("mode") == "off":
         values["enabled"] = False
-    return Settings(**values)
+    return values
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ATTNGUARD_* variable that is no setting (a misspelling is ignored, so the
+    guard runs without it), naming the closest setting, else all of them. Names that differ
+    from a setting only in case count as unknown too: the environment is case-sensitive."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for name in sorted(env):
+        upper = name.upper()
+        if name in _ENV or not upper.startswith("ATTNGUARD_") or upper.startswith(INTERNAL_PREFIX):
+            continue
+        closest = _closest(upper)
+        hint = f"did you mean {closest}?" if closest else f"the settings are {', '.join(_ENV)}"
+        lines.append(f"attnguard: {shown(name, quote=False)} is not a setting (ignored); {hint}")
+    return lines
+
+
+def _closest(name: str) -> str | None:
+    """The setting whose name is nearest ``name`` (compared past the shared ``ATTNGUARD_``)."""
+    if name in _ENV:
+        return name
+    import difflib  # only here, with a misspelling to name
+
+    tails = {var[len("ATTNGUARD_") :]: var for var in _ENV if var != "ATTNGUARD"}
+    match = difflib.get_close_matches(name[len("ATTNGUARD_") :], list(tails), n=1, cutoff=0.6)
+    return tails[match[0]] if match else None

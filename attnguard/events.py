@@ -37,11 +37,10 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import safefiles
+from . import launch, safefiles
 from .config import Settings
 from .launch import IDENTITY_VARS, launch_context, launch_identity
 from .reasons import known as known_reason
@@ -91,7 +90,7 @@ KINDS = ("applied", "would_have", "observed", "internal_errors")
 _APPLIED, _WOULD_HAVE, _OBSERVED, _ERROR = range(4)
 
 # When this process imported attnguard: a job-summary rendezvous ignores files older than this.
-STARTED = time.time()
+STARTED = launch.STARTED
 
 stdlib_logger = logging.getLogger("attnguard")
 # Keeps logging's last-resort handler from printing our records a second time on stderr when the

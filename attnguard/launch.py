@@ -1,11 +1,18 @@
 """Who this process is in a launched job: rank, local rank and world size from the launcher's
 environment (torchrun, accelerate, or set later by the program itself, as Ray actors do), and the
 launch identity that tells a rank of its own from a helper of its parent. Read fresh at every call:
-a variable set after start-up counts from then on."""
+a variable set after start-up counts from then on. Imports ``os`` only: the start-up hook marks
+every guarded process with :func:`mark_process`."""
 
 from __future__ import annotations
 
 import os
+import time
+
+# When attnguard was first imported in this process: at start-up under the ATTNGUARD=1 hook (which
+# activates only later, at the first import of a library to guard), else at ``import attnguard``.
+# A job-summary rendezvous ignores files older than this (events.STARTED).
+STARTED = time.time()
 
 
 def launch_context(environ: os._Environ[str] | dict[str, str] | None = None) -> dict[str, int]:
@@ -91,3 +98,27 @@ def launcher_id() -> str:
             parent = int(fields[1])  # a wrapper of this rank: its parent launched it
         _launcher = (pid, f"{socket.gethostname()}:{parent}:{started}")
     return _launcher[1]
+# Set by a guarded process for its children: "<pid>:<launch identity>". A child that finds another
+# pid with its own launch identity (same RANK, same launch) is a helper of that process
+# (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity
+# (and a Ray actor gets one when it sets RANK: events.is_helper reads the identity again).
+PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
+_marked: tuple[int, bool] | None = None  # (pid, helper) as decided in this process
+
+
+def mark_process() -> bool:
+    """True when this process is a helper of a guarded parent; otherwise mark it the parent of
+    its own children (they inherit the variable). Decided once per process: at start-up by the
+    hook when it runs (so children it starts before attnguard activates are its helpers), else
+    at activation; a forked child decides anew."""
+    global _marked
+    me = os.getpid()
+    if _marked is not None and _marked[0] == me:
+        return _marked[1]
+    mark = os.environ.get(PARENT_VAR, "")
+    pid, _, identity = mark.partition(":")
+    helper = bool(mark) and pid != str(me) and identity == launch_identity()
+    if not helper:
+        os.environ[PARENT_VAR] = f"{me}:{launch_identity()}"
+    _marked = (me, helper)
+    return helper

@@ -8,12 +8,11 @@ was activated first. Hooks cannot be unregistered; after :func:`deactivate` they
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import threading
 from typing import Any
 
-from . import events
+from . import events, launch
 from .config import Settings, load
 
 _lock = threading.RLock()
@@ -24,11 +23,8 @@ _patched: dict[tuple[str, str], None] = {}  # (integration, patch module), in pa
 _refused: set[str] = set()  # integrations not patched for their version (reported once)
 _overrides: dict[str, Any] = {}
 
-# Set by a guarded process for its children: "<pid>:<launch identity>". A child that finds another
-# pid with its own launch identity (same RANK, same launch) is a helper of that process
-# (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity
-# (and a Ray actor gets one when it sets RANK: events.is_helper reads the identity again).
-PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
+# the variable that marks a guarded process's children (attnguard.launch.mark_process)
+PARENT_VAR = launch.PARENT_VAR
 
 
 def settings() -> Settings:
@@ -135,18 +131,6 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def _mark_process() -> bool:
-    """True when this process is a helper of a guarded parent; otherwise mark it the parent of
-    its own children (they inherit the variable)."""
-    mark = os.environ.get(PARENT_VAR, "")
-    pid, _, identity = mark.partition(":")
-    me = str(os.getpid())
-    if mark and pid != me and identity == events.launch_identity():
-        return True
-    os.environ[PARENT_VAR] = f"{me}:{events.launch_identity()}"
-    return False
-
-
 def _exit_summary() -> None:
     from .summary import emit_exit_summary
 
@@ -202,7 +186,7 @@ def activate(**overrides: Any) -> Settings:
             _overrides = dict(overrides)
             _settings = new
             return new
-        helper = events.is_helper() if events.marked() else _mark_process()
+        helper = events.is_helper() if events.marked() else launch.mark_process()
         # Helpers open their (shared, per-rank) file at their first line only. A bad path
         # raises here, before anything changed.
         events.configure_sinks(new, eager=not helper)

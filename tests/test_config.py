@@ -54,7 +54,7 @@ def test_overrides_win_over_environment() -> None:
 @pytest.mark.parametrize(
     ("var", "value", "valid"),
     [
-        ("ATTNGUARD", "maybe", "1 | 0"),
+        ("ATTNGUARD", "maybe", "1 | true | yes | on (guard on) or 0 | false | no | off"),
         ("ATTNGUARD_MODE", "fixx", "fix | warn | strict | off"),
         ("ATTNGUARD_DISABLE", "cast,teleport", ", ".join(REMEDIES + INTEGRATIONS)),
         ("ATTNGUARD_LOG", "/tmp/x-{host}.log", "{rank} and {pid}"),
@@ -86,6 +86,21 @@ def test_invalid_value_names_variable_value_and_valid_values(
         load({var: value})
     msg = str(err.value)
     assert var in msg and repr(value) in msg and valid in msg
+
+
+def test_the_switch_error_lists_every_word_the_switch_accepts() -> None:
+    """``ATTNGUARD=yes`` switches the guard on: the error for ``ATTNGUARD=2`` says so (issue 28)."""
+    with pytest.raises(ValueError) as err:
+        load({"ATTNGUARD": "2"})
+    listed = str(err.value).split("valid values: ")[1]
+    on, off = listed.split(" or ")
+    on_words = on.removesuffix(" (guard on)").split(" | ")
+    off_words = off.removesuffix(" (guard off)").split(" | ")
+    assert {"1", "yes", "true", "on"} <= set(on_words) and {"0", "no", "off"} <= set(off_words)
+    for word in on_words:
+        assert load({"ATTNGUARD": word.upper()}).enabled, word
+    for word in off_words:
+        assert not load({"ATTNGUARD": "" if word == "empty" else word}).enabled, word
 
 
 def test_empty_variable_means_default_but_empty_override_is_an_error() -> None:
@@ -151,3 +166,58 @@ def test_log_targets_level_and_console_ranks(tmp_path) -> None:
     assert s.threshold_for("stderr") == "error" and s.console_ranks is None
     assert load({"ATTNGUARD_LOG": "none"}).log_targets == ()
     assert load({}, {"console_ranks": [1, 2]}).console_ranks == (1, 2)
+
+
+def test_misspelled_variables_are_named_with_the_closest_setting() -> None:
+    from attnguard.config import unknown_variables
+
+    env = {
+        "ATTNGUARD_MOOD": "fix",
+        "ATTNGUARD_KERNAL": "fastest",
+        "attnguard_log": "none",  # the environment is case-sensitive: this one is ignored too
+        "ATTNGUARD_COLOUR": "red",
+        "ATTNGUARD_MODE": "warn",  # a setting
+        "ATTNGUARD_INTERNAL_PARENT": "1:x",  # attnguard's own
+        "PATH": "/bin",
+    }
+    lines = unknown_variables(env)
+    assert lines[:3] == [
+        "attnguard: ATTNGUARD_COLOUR is not a setting (ignored); the settings are "
+        "ATTNGUARD, ATTNGUARD_MODE, ATTNGUARD_DISABLE, ATTNGUARD_LOG, ATTNGUARD_LOG_FORMAT, "
+        "ATTNGUARD_LOG_LEVEL, ATTNGUARD_CONSOLE_RANKS, ATTNGUARD_DTYPE, ATTNGUARD_FALLBACK, "
+        "ATTNGUARD_FP32_POLICY, ATTNGUARD_KERNEL",
+        "attnguard: ATTNGUARD_KERNAL is not a setting (ignored); did you mean ATTNGUARD_KERNEL?",
+        "attnguard: ATTNGUARD_MOOD is not a setting (ignored); did you mean ATTNGUARD_MODE?",
+    ]
+    assert lines[3:] == [
+        "attnguard: attnguard_log is not a setting (ignored); did you mean ATTNGUARD_LOG?"
+    ]
+    assert load(env).mode == "warn"  # the guard still runs with what is valid
+
+
+@pytest.mark.parametrize("spec", ["0256d", ">999999999d", "x>1000d", "0" * 200 + "1000d"])
+def test_a_log_placeholder_wider_than_a_file_name_is_refused_before_formatting(spec: str) -> None:
+    with pytest.raises(ValueError, match="a path component holds at most 255"):
+        load({"ATTNGUARD_LOG": f"/tmp/x{{rank:{spec}}}.log"})
+
+
+def test_log_placeholders_that_fit_a_file_name_stay_valid(tmp_path) -> None:
+    for spec in ("03d", "x>250d", "0250d", "_"):
+        assert load({"ATTNGUARD_LOG": str(tmp_path / f"x{{rank:{spec}}}")}).log
+
+
+def test_files_get_json_lines_whatever_the_console_format(tmp_path) -> None:
+    """``ATTNGUARD_LOG_FORMAT=console`` with ``stderr,<file>`` wrote console lines into the file,
+    which ``attnguard summary`` then skipped as malformed (issue 28, item 4)."""
+    path = str(tmp_path / "ev-{rank}.jsonl")
+    s = load({"ATTNGUARD_LOG": f"stderr,{path}", "ATTNGUARD_LOG_FORMAT": "console"})
+    assert s.format_for("stderr") == "console" and s.format_for(path) == "json"
+
+
+def test_the_start_up_hook_watches_and_resolves_the_libraries_attnguard_patches() -> None:
+    import _attnguard_hook
+
+    from attnguard.patches import INTEGRATIONS as PARTS
+
+    targets = {target.partition(".")[0] for parts in PARTS.values() for _, target in parts}
+    assert targets == set(INTEGRATIONS) == set(_attnguard_hook.LIBRARIES)

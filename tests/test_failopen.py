@@ -177,6 +177,34 @@ def test_registry_entries_pickle_and_run_in_a_fresh_interpreter() -> None:
     assert outs["sdpa"] == sent["outs"]["sdpa"] and isinstance(outs["flash_attention_2"], str)
 
 
+GADGETS = [
+    "attnguard:os:system",
+    "attnguard:posix:system",
+    "attnguard:subprocess:getoutput",
+    "attnguard:builtins:exec",
+    # a guarded library's module, reaching through to what it imported
+    "attnguard:transformers/utils/import_utils:os/system",
+    "attnguard:transformers/utils/import_utils:subprocess/getoutput",
+]
+
+
+@pytest.mark.parametrize("name", GADGETS)
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_hook_module_resolves_no_name_attnguard_did_not_wrap(
+    name: str, switch: str, tmp_path: Path
+) -> None:
+    """A pickle naming ``_attnguard_hook`` / ``attnguard:os:system`` ran a shell command on
+    ``pickle.load`` in any process of an environment with attnguard installed (issue 27, item 5).
+    Only functions of the guarded libraries, under their own names, may resolve."""
+    mark = tmp_path / "ran"
+    command = f"touch {mark}" if "exec" not in name else f"open({str(mark)!r}, 'w')"
+    blob = b"c_attnguard_hook\n" + name.encode() + b"\n(V" + command.encode() + b"\ntR."
+    code = "import pickle, sys; pickle.loads(bytes.fromhex(sys.argv[1]))"
+    res = run_py(code, blob.hex(), env=env_for(ATTNGUARD=switch, ATTNGUARD_LOG="none"))
+    assert not mark.exists(), f"{name} ran {command!r}"
+    assert res.returncode == 1 and "AttributeError: Can't get attribute" in res.stderr, res.stderr
+
+
 PICKLE_FLASH = """
 import pickle, sys, json
 import torch
@@ -312,8 +340,8 @@ def test_only_the_attnguard_command_itself_is_exempt() -> None:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         assert res.returncode == 0 and res.stderr == "", (cmd, res.stderr)
         assert res.stdout == f"attnguard {attnguard.__version__}\n"
-    # the same settings in a program: its activation is on stderr
-    res = run_py("import attnguard", env=env)
+    # the same settings in a program that uses attnguard: its activation is on stderr
+    res = run_py("import attnguard; attnguard.is_active()", env=env)
     assert '"event": "activated"' in res.stderr
 
 

@@ -34,6 +34,8 @@ import os, sys, time
 import attnguard
 from attnguard import events
 
+attnguard.is_active()  # under the start-up hook: activates at the first use of the API
+
 rank = int(os.environ["RANK"])
 for _ in range(rank + 2):
     events.emit("device_map_rewritten", site="transformers.load", reason_code="device_map_per_rank",
@@ -585,10 +587,14 @@ def test_your_own_links_and_dev_stderr_still_work(tmp_path: Path) -> None:
 # --- item 8 and issue 20 item 5: values checked before anything runs ------------------------------
 
 
+# A command that uses attnguard: the start-up hook activates it (and opens the log) there.
+GUARDED = "import attnguard; attnguard.is_active()"
+
+
 def _attnguard_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     marker = tmp_path / "command-ran"
     return subprocess.run(
-        [PY, "-m", "attnguard", "run", "--", PY, "-c", f"open({str(marker)!r}, 'w')"],
+        [PY, "-m", "attnguard", "run", "--", PY, "-c", f"{GUARDED}; open({str(marker)!r}, 'w')"],
         env=subprocess_env(**env),
         capture_output=True,
         text=True,

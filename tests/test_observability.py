@@ -596,3 +596,15 @@ def test_an_internal_error_record_names_the_exception_type_for_otel(guard, logge
     (record,) = [r for r in got if getattr(r, "event", None) == "internal_error"]
     assert vars(record)["error.type"] == "builtins.KeyError"
     assert vars(record)["event.name"] == "attnguard.internal_error"
+
+
+def test_the_example_line_has_every_fixed_field_first_and_in_order() -> None:
+    """The page says the fixed fields always come first, in its table's order; its example
+    JSON line lacked ``proc`` (issue 28, item 8)."""
+    text = DOC.read_text()
+    block = text.split("An example line", 1)[1].split("```json\n", 1)[1].split("\n```", 1)[0]
+    example = json.loads(block)
+    assert list(example)[: len(FIXED)] == FIXED
+    from attnguard.eventfiles import is_process_id
+
+    assert is_process_id(example["proc"])  # what attnguard summary takes as a process id

@@ -143,6 +143,9 @@ def test_pyproject_declares_the_supported_matrix() -> None:
         if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
     )
     assert declared == sorted(python.tested)  # the Python versions a test run used
+    # and no floor below them: a Python no test ran on is not declared supported (issue 28)
+    oldest = min(python.tested, key=lambda v: tuple(map(int, v.split("."))))
+    assert project["requires-python"] == f">={oldest}"
     deps = dict(requirement(r) for r in project["dependencies"])
     assert deps["torch"] == support.COMPONENTS["torch"].supported
     # transformers' floor is the integration's (no ceiling: a newer release is only not patched)

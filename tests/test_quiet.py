@@ -133,6 +133,7 @@ def test_activated_once_per_process_and_again_only_for_new_settings(captured) ->
 DATALOADER = """
 import sys
 import torch
+import transformers  # a training script: the guard activates here (and in the workers)
 from torch.utils.data import DataLoader, TensorDataset
 
 if __name__ == "__main__":
@@ -168,7 +169,7 @@ def test_spawned_dataloader_workers_add_nothing(tmp_path: Path) -> None:
 TOOLS = """
 import json, subprocess, sys
 if sys.argv[1] == "guarded":
-    import attnguard
+    import attnguard, transformers
 pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True, text=True)
 child = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
 print(json.dumps([pip.returncode, pip.stdout, pip.stderr, child.returncode, child.stdout,

@@ -1,0 +1,112 @@
+"""The ``attnguard`` command at its edges (issue 28): a closed pipe, ``--help``, the signals
+``attnguard run`` hands its command, and ``attnguard summary`` over files written beside a
+console-format stderr. Real processes and pipes throughout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import PY, subprocess_env
+
+from attnguard import cli
+
+SCRIPT = Path(PY).parent / "attnguard"
+COMMANDS = [[PY, "-m", "attnguard"]] + ([[str(SCRIPT)]] if SCRIPT.is_file() else [])
+
+# One process's events in a file: an activation, a change, its exit summary.
+EVENTS = """
+import attnguard
+from attnguard import events
+attnguard.is_active()
+events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
+            reason="flash-attn is not installed", applied=True)
+"""
+
+
+def event_file(tmp_path: Path, **env: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    log = tmp_path / "ev-{rank}.jsonl"
+    res = subprocess.run(
+        [PY, "-c", EVENTS],
+        env=subprocess_env(ATTNGUARD="1", **{"ATTNGUARD_LOG": str(log), **env}),
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
+    return tmp_path / "ev-0.jsonl", res
+
+
+def into_a_closed_pipe(cmd: list[str]) -> tuple[int, bytes]:
+    """Run ``cmd`` with its stdout a pipe whose reader has already gone (``| head -1`` once
+    head has its line): the exit status and stderr."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=300), err
+
+
+@pytest.mark.parametrize("args", [["summary", "--json", "FILE"], ["doctor"]], ids=" ".join)
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: Path(c[-1]).name)
+def test_a_closed_pipe_ends_the_command_as_it_ends_cat(
+    command: list[str], args: list[str], tmp_path: Path
+) -> None:
+    """``attnguard summary --json FILE | head -1`` ended with a BrokenPipeError traceback and
+    exit 1 (issue 28, item 3): now it ends quietly by SIGPIPE, as cat does."""
+    path, _ = event_file(tmp_path)
+    args = [str(path) if a == "FILE" else a for a in args]
+    cat = into_a_closed_pipe(["cat", str(path)])
+    assert cat[0] < 0 and cat[1] == b""  # killed by SIGPIPE, nothing said
+    assert into_a_closed_pipe([*command, *args]) == cat
+
+
+def test_run_hands_its_command_the_signals_a_shell_would() -> None:
+    """Python ignores SIGPIPE and SIGXFSZ; an exec'd command inherits what is ignored."""
+    plain = subprocess.run(
+        ["grep", "SigIgn", "/proc/self/status"], capture_output=True, text=True, check=True
+    )
+    for command in COMMANDS:
+        res = subprocess.run(
+            [*command, "run", "--", "grep", "SigIgn", "/proc/self/status"],
+            env=subprocess_env(ATTNGUARD_LOG="none"),
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0 and res.stdout == plain.stdout, (command, res.stderr)
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """``attnguard --help`` showed reStructuredText double backticks (issue 28, item 7)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0
+    assert "`" not in out
+    assert all(f"attnguard {c}" in " ".join(out.split()) for c in ("run --", "doctor", "summary"))
+
+
+def test_files_stay_json_for_the_summary_whatever_the_console_format(tmp_path: Path) -> None:
+    """``ATTNGUARD_LOG=stderr,<file> ATTNGUARD_LOG_FORMAT=console``: console lines on stderr,
+    JSON lines in the file, which ``attnguard summary`` reads (issue 28, item 4)."""
+    path, res = event_file(
+        tmp_path,
+        ATTNGUARD_LOG=f"stderr,{tmp_path / 'ev-{rank}.jsonl'}",
+        ATTNGUARD_LOG_FORMAT="console",
+    )
+    assert res.stderr.startswith("attnguard WARNING: flash-attn is not installed [backend_fallback")
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == [
+        "activated",
+        "backend_fallback",
+        "summary",
+    ]
+    got = subprocess.run(
+        [PY, "-m", "attnguard", "summary", str(path)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 0 and "malformed" not in got.stdout, got.stdout
+    assert "backend_fallback" in got.stdout and "package_missing" in got.stdout
