@@ -24,7 +24,7 @@ DTYPES = ("auto", "bf16", "fp16")
 FP32_POLICIES = ("cast", "fallback")
 # ATTNGUARD_KERNEL: "requested" computes every call with the kernel the caller asked for (unless
 # it cannot run); "fastest" (opt-in) serves flash-attention calls with the fastest kernel that
-# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.race).
+# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.selection).
 KERNEL_CHOICES = ("requested", "fastest")
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
 # always available; flash kernels are never a fallback target (they are what failed).

@@ -49,9 +49,9 @@ def _twin_table() -> Any:
 
 def _kernel_decisions() -> list[dict[str, Any]]:
     """Decisions ATTNGUARD_KERNEL=fastest measured and cached on this machine."""
-    from .decisions import cached
+    from .selection.cache import listing
 
-    return cached()
+    return listing()
 
 
 def _sample_request() -> Any:

@@ -290,7 +290,7 @@ _TABLE: tuple[Reason, ...] = (
         "the kernel was not built for this GPU",
         "the kernel was not built for this GPU: reinstall it for this GPU",
     ),
-    # --- opt-in kernel selection (ATTNGUARD_KERNEL=fastest; attnguard.decisions) ---------------
+    # --- opt-in kernel selection (ATTNGUARD_KERNEL=fastest; attnguard.selection) ---------------
     Reason(
         "faster_kernel",
         ("kernel_selected",),

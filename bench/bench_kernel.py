@@ -115,7 +115,7 @@ def measure(
 ) -> list[str]:
     import torch
 
-    from attnguard import decisions
+    from attnguard.selection import decisions
 
     decisions.reset()  # each row decides afresh, as a job of that shape would (2 s budget each)
     try:

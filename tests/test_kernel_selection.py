@@ -3,9 +3,10 @@
 * the setting: validated like every other, off by default;
 * with the switch on and no GPU, a guarded program computes and reports exactly what it does
   with the switch off (the switch only ever touches CUDA flash-attn calls);
-* the rules (attnguard.selection): buckets, what is never touched and why, candidates, winner;
-* the decisions (attnguard.decisions): a cache file that is corrupt, of another GPU or version,
-  another user's, a link or too large is ignored with one ``observed`` event and never trusted;
+* the rules (attnguard.selection.buckets, .race): buckets, what is never touched and why,
+  candidates, winner;
+* the decisions (attnguard.selection.decisions, .cache): a cache file that is corrupt, of
+  another GPU or version, another user's, a link or too large is ignored with one ``observed`` event and never trusted;
   the first decision written wins and later ones adopt it; two ranks of a real torchrun job
   (gloo) that measured different winners end with the same one.
 
@@ -25,8 +26,9 @@ import torch
 from conftest import PY, REPO, STANDINS, subprocess_env
 
 import attnguard
-from attnguard import decisions, selection
-from attnguard.selection import REQUESTED, Measured
+from attnguard.selection import buckets, cache, decisions, race
+from attnguard.selection.buckets import REQUESTED
+from attnguard.selection.race import Measured
 
 # --- the setting ------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class FakeCuda(SimpleNamespace):
 def dense(**kw):
     call = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), "v": None}
     call.update(kw)
-    return selection.describe("flash_attn_func", call)
+    return buckets.describe("flash_attn_func", call)
 
 
 def test_buckets_round_shapes_up_to_powers_of_two():
@@ -113,7 +115,7 @@ def test_buckets_round_shapes_up_to_powers_of_two():
     assert dense(causal=True).bucket != dense(causal=False).bucket
     grad = dense(q=FakeCuda(4, 4096, 32, 128, requires_grad=True))
     assert grad.grad and grad.bucket != dense().bucket
-    varlen = selection.describe(
+    varlen = buckets.describe(
         "flash_attn_varlen_func",
         {
             "q": FakeCuda(18000, 32, 128),
@@ -140,18 +142,18 @@ def test_buckets_round_shapes_up_to_powers_of_two():
 def test_calls_the_switch_never_touches(kw, why):
     assert why in dense(**kw).skip
     cpu = {"q": torch.zeros(1, 4, 2, 8), "k": torch.zeros(1, 4, 2, 8)}
-    assert selection.describe("flash_attn_func", cpu).skip == "not a CUDA flash-attention call"
+    assert buckets.describe("flash_attn_func", cpu).skip == "not a CUDA flash-attention call"
     kv = {"q": FakeCuda(2, 1, 8, 64), "k_cache": FakeCuda(2, 64, 2, 64), "block_table": 1}
-    assert "block_table" in selection.describe("flash_attn_with_kvcache", kv).skip
+    assert "block_table" in buckets.describe("flash_attn_with_kvcache", kv).skip
 
 
 def test_candidates_follow_what_each_kernel_can_express():
-    plain = selection.candidates(dense(causal=True), torch_flash_ok=True)
+    plain = buckets.candidates(dense(causal=True), torch_flash_ok=True)
     assert plain == [REQUESTED, "sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "torch_flash"]
     window = dense(causal=True, window_size=(127, 0))
-    assert selection.candidates(window, torch_flash_ok=False) == [REQUESTED, "sdpa"]
+    assert buckets.candidates(window, torch_flash_ok=False) == [REQUESTED, "sdpa"]
     lse = dense(causal=True, return_attn_probs=True)
-    assert selection.candidates(lse, torch_flash_ok=True) == [REQUESTED, "sdpa", "torch_flash"]
+    assert buckets.candidates(lse, torch_flash_ok=True) == [REQUESTED, "sdpa", "torch_flash"]
 
 
 def test_the_winner_is_within_tolerance_and_faster_by_the_margin():
@@ -163,21 +165,21 @@ def test_the_winner_is_within_tolerance_and_faster_by_the_margin():
         "sdpa_flash": Measured(ms=9.7, out_diff=0.0),  # within 5 %: not worth it
         "torch_flash": Measured(error="RuntimeError: no"),
     }
-    v = selection.pick(measured, "bfloat16")
+    v = race.pick(measured, "bfloat16")
     assert v.winner == "sdpa"
     assert "outputs differ" in v.why["sdpa_cudnn"] and "5%" in v.why["sdpa_flash"]
     assert "failed" in v.why["torch_flash"] and "1.67x" in v.why["sdpa"]
     slow = {REQUESTED: base, "sdpa": Measured(ms=9.8, out_diff=0.0)}
-    assert selection.pick(slow, "bfloat16").winner == REQUESTED
+    assert race.pick(slow, "bfloat16").winner == REQUESTED
     noisy = {
         REQUESTED: Measured(ms=10.0, out_diff=0.0, rounds=(10.0, 10.0, 10.0)),
         "sdpa": Measured(ms=9.0, out_diff=0.0, rounds=(9.0, 8.9, 9.8)),  # one round not faster
     }
-    assert selection.pick(noisy, "bfloat16").winner == REQUESTED
-    assert "every timed round" in selection.pick(noisy, "bfloat16").why["sdpa"]
+    assert race.pick(noisy, "bfloat16").winner == REQUESTED
+    assert "every timed round" in race.pick(noisy, "bfloat16").why["sdpa"]
     grads_off = {REQUESTED: base, "sdpa": Measured(ms=2.0, out_diff=0.0, grad_diff=0.2)}
-    assert "gradients differ" in selection.pick(grads_off, "bfloat16").why["sdpa"]
-    assert selection.pick({REQUESTED: Measured(error="x")}, "bfloat16").winner == REQUESTED
+    assert "gradients differ" in race.pick(grads_off, "bfloat16").why["sdpa"]
+    assert race.pick({REQUESTED: Measured(error="x")}, "bfloat16").winner == REQUESTED
 
 
 # --- the decisions on disk and across ranks -------------------------------------------------------
@@ -186,14 +188,15 @@ FP = ("f" * 16, {"gpu": "Test GPU", "torch": "2.x", "flash_attn": "2.8.3", "attn
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch, captured):
+def disk(tmp_path, monkeypatch, captured):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     decisions.reset()
-    monkeypatch.setattr(decisions, "fingerprint", lambda: FP)
+    monkeypatch.setattr(cache, "fingerprint", lambda version: FP)
     attnguard.activate(log="none")
     call = dense(causal=True)
-    path = os.path.join(decisions.cache_dir(), decisions._bucket_id(call.bucket) + ".json")
-    yield SimpleNamespace(call=call, path=path, events=captured, dir=decisions.cache_dir())
+    folder = cache.Disk(cache.cache_root(), FP)
+    path = os.path.join(folder.path, cache.bucket_id(call.bucket) + ".json")
+    yield SimpleNamespace(call=call, path=path, events=captured, dir=folder.path, cache=folder)
     decisions.reset()
 
 
@@ -201,15 +204,15 @@ def ignored(events):
     return [e for e in events if e["reason_code"] == "kernel_cache_ignored"]
 
 
-def test_a_decision_written_first_wins_and_reads_back(cache):
+def test_a_decision_written_first_wins_and_reads_back(disk):
     first = decisions.Decision("sdpa", {"sdpa": "1.5x"}, {"sdpa": {"ms": 1.0}})
     second = decisions.Decision(REQUESTED, {REQUESTED: "kept"})
-    assert decisions._write_disk_first(cache.call, first).winner == "sdpa"
-    assert decisions._write_disk_first(cache.call, second).winner == "sdpa"  # adopts the first
-    assert decisions._read_disk(cache.call).as_json() == first.as_json()
-    assert oct(os.stat(cache.dir).st_mode & 0o777) == "0o700"
-    assert oct(os.stat(cache.path).st_mode & 0o777) == "0o600"
-    assert not ignored(cache.events)
+    assert disk.cache.write_first(disk.call, first).winner == "sdpa"
+    assert disk.cache.write_first(disk.call, second).winner == "sdpa"  # adopts the first
+    assert disk.cache.read(disk.call).as_json() == first.as_json()
+    assert oct(os.stat(disk.dir).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(disk.path).st_mode & 0o777) == "0o600"
+    assert not ignored(disk.events)
 
 
 def _write(path, data):
@@ -229,45 +232,45 @@ def _write(path, data):
         ("[" * 30000 + "]" * 30000, "unreadable"),  # nesting deeper than Python recurses
     ],
 )
-def test_bad_cache_files_are_ignored_with_one_event(cache, content, why):
-    _write(cache.path, content)
+def test_bad_cache_files_are_ignored_with_one_event(disk, content, why):
+    _write(disk.path, content)
     for _ in range(3):
-        assert decisions._read_disk(cache.call) is None
-    seen = ignored(cache.events)
+        assert disk.cache.read(disk.call) is None
+    seen = ignored(disk.events)
     assert len(seen) == 1 and seen[0]["event"] == "observed", seen
     assert why in seen[0]["reason"]
 
 
-def test_a_planted_link_is_not_followed(cache, tmp_path):
+def test_a_planted_link_is_not_followed(disk, tmp_path):
     target = tmp_path / "elsewhere.json"
-    good = json.loads(decisions._record(cache.call, decisions.Decision("sdpa")).decode())
+    good = json.loads(cache.record(disk.call, decisions.Decision("sdpa"), FP[1]).decode())
     target.write_text(json.dumps(good))
-    os.makedirs(cache.dir, exist_ok=True)
-    os.symlink(target, cache.path)
-    assert decisions._read_disk(cache.call) is None
-    assert "symbolic link" in ignored(cache.events)[0]["reason"]
+    os.makedirs(disk.dir, exist_ok=True)
+    os.symlink(target, disk.path)
+    assert disk.cache.read(disk.call) is None
+    assert "symbolic link" in ignored(disk.events)[0]["reason"]
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
-def test_another_users_cache_file_is_not_trusted(cache):
-    good = json.loads(decisions._record(cache.call, decisions.Decision("sdpa")).decode())
-    _write(cache.path, good)
-    os.chown(cache.path, 65534, 65534)  # nobody
-    assert decisions._read_disk(cache.call) is None
-    assert "another user" in ignored(cache.events)[0]["reason"]
+def test_another_users_cache_file_is_not_trusted(disk):
+    good = json.loads(cache.record(disk.call, decisions.Decision("sdpa"), FP[1]).decode())
+    _write(disk.path, good)
+    os.chown(disk.path, 65534, 65534)  # nobody
+    assert disk.cache.read(disk.call) is None
+    assert "another user" in ignored(disk.events)[0]["reason"]
 
 
-def test_ranks_adopt_the_first_posted_decision_from_the_store(cache):
+def test_ranks_adopt_the_first_posted_decision_from_the_store(disk):
     store = torch.distributed.HashStore()
     key = "attnguard/kernel/v1/test"
     mine = decisions.Decision("sdpa", {"sdpa": "1.6x"}, {"sdpa": {"ms": 1.0}})
     theirs = decisions.Decision(REQUESTED, {REQUESTED: "kept"}, {"requested": {"ms": 1.0}})
-    assert decisions._agree(store, key, cache.call, mine).winner == "sdpa"
-    later = decisions._agree(store, key, cache.call, theirs)
+    assert decisions._agree(store, key, disk.call, mine, FP[1]).winner == "sdpa"
+    later = decisions._agree(store, key, disk.call, theirs, FP[1])
     assert later.winner == "sdpa" and later.source == "this job"
 
 
-def test_several_ranks_without_a_group_never_race(cache, monkeypatch):
+def test_several_ranks_without_a_group_never_race(disk, monkeypatch):
     """No process group to agree through: a race's winner could differ per rank, so none runs;
     a decision already cached on this node (the same file for every rank) is used."""
 
@@ -278,14 +281,14 @@ def test_several_ranks_without_a_group_never_race(cache, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     entry = SimpleNamespace(params=("q",), name="flash_attn_func")
-    kept = decisions._decide(entry, (), {}, cache.call)
+    kept = decisions._decide(entry, (), {}, disk.call, decisions.Options())
     assert kept.winner == REQUESTED and kept.source == "not measured"
     assert "no process group" in kept.why[REQUESTED]
-    decisions._write_disk_first(cache.call, decisions.Decision("sdpa", {"sdpa": "1.5x"}))
-    found = decisions._decide(entry, (), {}, cache.call)
+    disk.cache.write_first(disk.call, decisions.Decision("sdpa", {"sdpa": "1.5x"}))
+    found = decisions._decide(entry, (), {}, disk.call, decisions.Options())
     assert found.winner == "sdpa" and found.source == "disk cache"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ranks on several nodes: disks differ
-    assert decisions._decide(entry, (), {}, cache.call).winner == REQUESTED
+    assert decisions._decide(entry, (), {}, disk.call, decisions.Options()).winner == REQUESTED
 
 
 _RANK_PROGRAM = r"""
@@ -293,9 +296,9 @@ import json, os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 import attnguard
-from attnguard import decisions, selection
+from attnguard.selection import buckets, cache, decisions
 from types import SimpleNamespace
-decisions.fingerprint = lambda: ("e" * 16, {"gpu": "Test GPU"})
+cache.fingerprint = lambda version: ("e" * 16, {"gpu": "Test GPU"})
 attnguard.activate(log="none")
 rank = dist.get_rank()
 # each rank measured another winner (as timing noise can make them); the job must agree
@@ -305,14 +308,15 @@ def fake_race(entry, args, kwargs, call):
     winner = "sdpa" if rank == 1 else "requested"
     return decisions.Decision(winner, {winner: f"rank {rank}"}, {winner: {"ms": float(rank)}})
 decisions._race = fake_race
-decisions._read_disk = lambda call: None
-decisions._write_disk_first = lambda call, d: d
+cache.Disk.read = lambda self, call, folder=None: None
+cache.Disk.write_first = lambda self, call, d: d
 class T(SimpleNamespace):
     pass
 q = T(shape=(4, 4096, 32, 128), dtype=torch.bfloat16, is_cuda=True, requires_grad=False)
-call = selection.describe("flash_attn_func", {"q": q, "k": q, "causal": True})
+call = buckets.describe("flash_attn_func", {"q": q, "k": q, "causal": True})
 decisions._why_not_race = lambda: None
-got = decisions._decide(SimpleNamespace(params=("q",), name="flash_attn_func"), (), {}, call)
+entry = SimpleNamespace(params=("q",), name="flash_attn_func")
+got = decisions._decide(entry, (), {}, call, decisions.Options())
 print(json.dumps({"rank": rank, "winner": got.winner, "source": got.source}))
 dist.destroy_process_group()
 """
@@ -329,3 +333,37 @@ def test_two_ranks_of_a_job_agree_on_one_winner(tmp_path):
     assert len(got) == 2
     assert got[0]["winner"] == got[1]["winner"] == "requested"  # rank 0 posted first
     assert {g["source"] for g in got} == {"measured", "this job"}
+
+
+# --- the package's place ----------------------------------------------------------------------
+
+_ABOVE = ("attnguard", "attnguard.runtime", "attnguard.callguard", "attnguard.doctor")
+
+
+def _imported(path, package):
+    """What a module imports, as dotted targets (``from .. import x`` names ``attnguard.x`` when
+    x is a module, else the package ``attnguard`` itself: one of its attributes)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            for alias in node.names:
+                target = f"{module}.{alias.name}"
+                is_module = (REPO / target.replace(".", "/")).with_suffix(".py").exists() or (
+                    REPO / target.replace(".", "/")
+                ).is_dir()
+                yield target if is_module else module
+
+
+def test_the_selection_package_sits_below_the_call_guard():
+    """One package, entered from the call guard (and doctor): nothing in it imports attnguard's
+    package (its ``__init__``), runtime or the call guard; the settings come in as arguments."""
+    files = sorted((REPO / "attnguard" / "selection").glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "buckets.py", "decisions.py", "race.py"}
+    for path in files:
+        targets = set(_imported(path, "attnguard.selection"))
+        assert not targets & set(_ABOVE), (path.name, sorted(targets & set(_ABOVE)))

@@ -1,5 +1,5 @@
-"""Opt-in kernel selection: the candidates' implementations, and measuring them on a call's own
-inputs (GPU work; the rules are in :mod:`attnguard.selection`).
+"""The race: the candidates' implementations, measuring them on a call's own inputs (GPU work),
+and :func:`pick`, the winner from what was measured.
 
 Every candidate takes the call exactly as the caller made it (flash-attn's arguments) and returns
 what flash-attn returns. The race runs each on the call's own tensors (copies of the KV caches,
@@ -7,6 +7,11 @@ which a call writes in place; detached copies of q/k/v when they need gradients)
 once, then times ``REPS`` interleaved rounds (wall clock with the GPU synchronised: for small
 calls the host's launch cost is part of what a step pays) and compares outputs, and gradients
 for a backward pass with one fixed random gradient, with the requested kernel's.
+
+:func:`pick`: the fastest candidate whose outputs (and gradients) are within the dtype's rounding
+of the requested kernel's (:data:`~attnguard.selection.buckets.TOLERANCE`), and at least
+:data:`MARGIN` faster than it in the median and in every timed round; else the requested kernel
+stays.
 """
 
 from __future__ import annotations
@@ -16,19 +21,81 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import fallback
-from .fallback import torch_flash
-from .fallback.masks import normalize_window
-from .selection import REQUESTED, SDPA_BACKENDS, Call, Measured
+from .. import fallback
+from ..fallback import torch_flash
+from ..fallback.masks import normalize_window
+from .buckets import REQUESTED, SDPA_BACKENDS, TOLERANCE, Call
 
 Tensor = torch.Tensor
 Impl = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 REPS = 3
+MARGIN = 0.05  # a candidate must be at least 5 % faster than the requested kernel to win
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One candidate's result on the call's own inputs."""
+
+    ms: float = math.inf  # median of the timed rounds
+    out_diff: float = math.inf  # max |candidate - requested| / max |requested|, outputs
+    grad_diff: float | None = None  # the same over q/k/v gradients (when the call trains)
+    error: str | None = None
+    rounds: tuple[float, ...] = ()  # each timed round's ms, rounds interleaved across candidates
+
+
+def _faster_every_round(m: Measured, base: Measured, margin: float) -> bool:
+    pairs = list(zip(m.rounds, base.rounds, strict=False))
+    return all(mine <= theirs * (1.0 - margin) for mine, theirs in pairs)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    winner: str
+    why: dict[str, str]  # candidate -> why it won / lost
+
+
+def pick(measured: dict[str, Measured], dtype: str, margin: float = MARGIN) -> Verdict:
+    """The fastest candidate within tolerance and ``margin`` faster than the requested one."""
+    tol = TOLERANCE.get(dtype, 0.0)
+    base = measured.get(REQUESTED)
+    why: dict[str, str] = {}
+    if base is None or base.error is not None or not math.isfinite(base.ms):
+        reason = base.error if base is not None and base.error else "not measured"
+        return Verdict(REQUESTED, {REQUESTED: f"the requested kernel could not be timed: {reason}"})
+    eligible: list[tuple[float, str]] = []
+    for name, m in measured.items():
+        if name == REQUESTED:
+            continue
+        if m.error is not None:
+            why[name] = f"failed on this call: {m.error}"
+        elif m.out_diff > tol:
+            why[name] = f"outputs differ by {m.out_diff:.3g} of max |out| (> {tol:g})"
+        elif m.grad_diff is not None and m.grad_diff > tol:
+            why[name] = f"gradients differ by {m.grad_diff:.3g} of max |grad| (> {tol:g})"
+        elif m.ms > base.ms * (1.0 - margin):
+            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster than {base.ms:.3f} ms"
+        elif not _faster_every_round(m, base, margin):
+            # timing noise must not pick a kernel that is not really faster: the margin has
+            # to hold in every round, not only in the median
+            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster in every timed round"
+        else:
+            eligible.append((m.ms, name))
+    if not eligible:
+        why[REQUESTED] = "no candidate within tolerance and faster by the margin"
+        return Verdict(REQUESTED, why)
+    eligible.sort()
+    best_ms, best = eligible[0]
+    why[best] = f"{best_ms:.3f} ms vs {base.ms:.3f} ms ({base.ms / best_ms:.2f}x), within tolerance"
+    for ms, name in eligible[1:]:
+        why[name] = f"{ms:.3f} ms: slower than {best}"
+    why[REQUESTED] = f"{base.ms:.3f} ms: slower than {best}"
+    return Verdict(best, why)
 
 
 def _named(params: tuple[str, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict:

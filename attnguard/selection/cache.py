@@ -1,0 +1,255 @@
+"""Where decisions live: this machine's disk cache and the job's process-group store, and the
+record both hold (one JSON object per bucket).
+
+* The disk cache: ``<root>/<fingerprint>/<bucket id>.json``, ``<root>`` being
+  ``$XDG_CACHE_HOME/attnguard/kernels`` (default ``~/.cache/attnguard/kernels``). The
+  fingerprint is a hash of what a measured decision holds for: the GPU model, torch, CUDA,
+  flash-attn and attnguard versions. One file per bucket, written first-writer-wins, read under
+  :mod:`attnguard.safefiles`' rules (a private directory, a regular file of this user, no link
+  followed, bounded). A file that is corrupt, of another GPU or version, or not this user's is
+  ignored with one ``observed`` event (``kernel_cache_ignored``), never trusted, never a crash.
+* The job's store: with a process group of several ranks up, the default group's store; the
+  first rank to decide posts its record there (``compare_set``) and every rank reads it back.
+
+Nothing here decides anything: :mod:`attnguard.selection.decisions` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import events, safefiles
+from .buckets import CANDIDATES, Call
+
+SCHEMA = 1
+STORE_PREFIX = "attnguard/kernel/v1/"
+MAX_FILE_BYTES = 1 << 16
+
+
+@dataclass
+class Decision:
+    """Which candidate serves a bucket, why each lost or won, and what each measured."""
+
+    winner: str
+    why: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source: str = "measured"  # measured | this job (store) | disk cache | not measured
+
+    def as_json(self) -> dict[str, Any]:
+        return {"winner": self.winner, "why": self.why, "measured": self.measured}
+
+
+class _State:
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+        self.fingerprints: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+_state = _State()
+
+
+def reset() -> None:
+    """Forget what this process said and looked up (tests; the files stay)."""
+    global _state
+    _state = _State()
+
+
+def fingerprint(version: str) -> tuple[str, dict[str, Any]]:
+    """(hash, fields): what a measured decision holds for — this GPU model, torch, CUDA,
+    flash-attn and attnguard ``version``."""
+    found = _state.fingerprints.get(version)
+    if found is None:
+        import torch
+
+        index = torch.cuda.current_device()
+        fields = {
+            "gpu": torch.cuda.get_device_name(index),
+            "capability": list(torch.cuda.get_device_capability(index)),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "flash_attn": getattr(sys.modules.get("flash_attn"), "__version__", None),
+            "attnguard": version,
+        }
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        found = _state.fingerprints[version] = (digest, fields)
+    return found
+
+
+def cache_root() -> str:
+    """Where every fingerprint's decisions live: ``$XDG_CACHE_HOME/attnguard/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attnguard", "kernels")
+
+
+def bucket_id(bucket: tuple[Any, ...]) -> str:
+    return hashlib.sha256(json.dumps(list(bucket), default=str).encode()).hexdigest()[:24]
+
+
+def _bucket_json(call: Call) -> list[Any]:
+    """The bucket as it reads back from JSON (tuples become lists, dtypes strings)."""
+    return json.loads(json.dumps(list(call.bucket), default=str))
+
+
+def record(call: Call, decision: Decision, fp: dict[str, Any]) -> bytes:
+    """The stored form of ``decision`` for ``call``'s bucket, made on fingerprint ``fp``."""
+    return json.dumps(
+        {"schema": SCHEMA, "fingerprint": fp, "bucket": _bucket_json(call), **decision.as_json()},
+        sort_keys=True,
+    ).encode()
+
+
+class NotADecision(ValueError):
+    """Why stored bytes are not a decision this process may use."""
+
+
+def parse(raw: bytes, call: Call, fp: dict[str, Any]) -> Decision:
+    """A stored decision for ``call``'s bucket; :class:`NotADecision` says why it is not one."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise NotADecision("unreadable (not JSON)") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise NotADecision("not a kernel decision of this schema")
+    if data.get("fingerprint") != fp:
+        raise NotADecision("made on another GPU or with other versions")
+    if data.get("bucket") != _bucket_json(call):
+        raise NotADecision("for another bucket")
+    winner = data.get("winner")
+    names = [c.name for c in CANDIDATES if call.entry in c.entries]
+    if winner not in names:
+        raise NotADecision(f"unknown winner {str(winner)[:40]!r}")
+    why = data.get("why") if isinstance(data.get("why"), dict) else {}
+    measured = data.get("measured") if isinstance(data.get("measured"), dict) else {}
+    return Decision(
+        winner,
+        {str(k)[:40]: str(v)[:200] for k, v in why.items()},
+        {str(k)[:40]: v for k, v in measured.items() if isinstance(v, dict)},
+    )
+
+
+def ignored(why: str) -> None:
+    """One ``observed`` event per kind of cached decision this process ignored."""
+    key = "cache:" + why.split(":")[0]
+    if key in _state.said:
+        return
+    _state.said.add(key)
+    events.emit(
+        "observed",
+        site="attnguard.kernel_cache",
+        reason_code="kernel_cache_ignored",
+        reason=f"a cached kernel decision was ignored: {why}; it is measured again",
+    )
+
+
+def _why(exc: OSError) -> str:
+    return str(exc) if isinstance(exc, safefiles.UnsafeFile) else exc.strerror or type(exc).__name__
+
+
+class Disk:
+    """This fingerprint's directory of the disk cache."""
+
+    def __init__(self, root: str, fp: tuple[str, dict[str, Any]]) -> None:
+        self.path = os.path.join(root, fp[0])
+        self.fp = fp[1]
+
+    def _open(self) -> safefiles.PrivateDir | None:
+        """The private directory, or None (one event why)."""
+        try:
+            safefiles.make_dirs(os.path.dirname(self.path))
+            return safefiles.PrivateDir(self.path)
+        except OSError as exc:
+            ignored(f"the cache directory cannot be used ({_why(exc)})")
+            return None
+
+    def read(self, call: Call, folder: safefiles.PrivateDir | None = None) -> Decision | None:
+        """The decision on disk for ``call``'s bucket; None when there is none to use."""
+        own = folder is None
+        folder = folder or self._open()
+        if folder is None:
+            return None
+        try:
+            raw, _ = folder.read(bucket_id(call.bucket) + ".json", MAX_FILE_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            ignored(f"cannot be read ({_why(exc)})")
+            return None
+        finally:
+            if own:
+                folder.close()
+        try:
+            return parse(raw, call, self.fp)
+        except NotADecision as exc:
+            ignored(str(exc))
+            return None
+
+    def write_first(self, call: Call, decision: Decision) -> Decision | None:
+        """Store ``decision`` unless a file for the bucket exists; returns the decision on disk
+        afterwards (ours, or the one another process wrote first), None when the cache cannot
+        be used."""
+        folder = self._open()
+        if folder is None:
+            return None
+        with folder:
+            try:
+                folder.write_first(
+                    bucket_id(call.bucket) + ".json", record(call, decision, self.fp)
+                )
+            except OSError as exc:
+                ignored(f"cannot be written ({_why(exc)})")
+                return None
+            return self.read(call, folder)
+
+
+def job_store() -> Any:
+    """The default process group's store when a group of several ranks is up, else None."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from torch.distributed import distributed_c10d as c10d
+
+            return c10d._get_default_store()
+    except Exception:
+        pass
+    return None
+
+
+def listing(root: str | None = None) -> list[dict[str, Any]]:
+    """The decisions in this machine's disk cache (``attnguard doctor``): every fingerprint
+    directory, each file's bucket and winner; unreadable files are named, never raised."""
+    base = root or cache_root()
+    out: list[dict[str, Any]] = []
+    try:
+        prints = sorted(os.listdir(base))
+    except OSError:
+        return out
+    for fp in prints:
+        folder = os.path.join(base, fp)
+        try:
+            names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
+        except OSError:
+            continue
+        for name in names[:500]:
+            path = os.path.join(folder, name)
+            try:
+                with open(path, "rb") as fh:
+                    data = json.loads(fh.read(MAX_FILE_BYTES + 1))
+                out.append(
+                    {
+                        "fingerprint": data.get("fingerprint"),
+                        "bucket": data.get("bucket"),
+                        "winner": data.get("winner"),
+                        "why": (data.get("why") or {}).get(data.get("winner"), ""),
+                    }
+                )
+            except Exception as exc:
+                out.append({"file": path, "error": type(exc).__name__})
+    return out
