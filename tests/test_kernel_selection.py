@@ -26,6 +26,7 @@ import torch
 from conftest import PY, REPO, STANDINS, subprocess_env
 
 import attnguard
+from attnguard import events
 from attnguard.selection import buckets, cache, decisions, race
 from attnguard.selection.buckets import REQUESTED
 from attnguard.selection.race import Measured
@@ -99,7 +100,13 @@ class FakeCuda(SimpleNamespace):
     """A tensor's metadata as describe() reads it (it never reads values)."""
 
     def __init__(self, *shape, dtype=torch.bfloat16, requires_grad=False):
-        super().__init__(shape=shape, dtype=dtype, is_cuda=True, requires_grad=requires_grad)
+        super().__init__(
+            shape=shape,
+            dtype=dtype,
+            is_cuda=True,
+            requires_grad=requires_grad,
+            device=torch.device("cuda", 0),
+        )
 
 
 def dense(**kw):
@@ -260,17 +267,23 @@ def test_another_users_cache_file_is_not_trusted(disk):
     assert "another user" in ignored(disk.events)[0]["reason"]
 
 
-def test_ranks_adopt_the_first_posted_decision_from_the_store(disk):
+def test_ranks_adopt_the_first_posted_decision_from_the_store(stand_in, monkeypatch):
     store = torch.distributed.HashStore()
-    key = "attnguard/kernel/v1/test"
-    mine = decisions.Decision("sdpa", {"sdpa": "1.6x"}, {"sdpa": {"ms": 1.0}})
-    theirs = decisions.Decision(REQUESTED, {REQUESTED: "kept"}, {"requested": {"ms": 1.0}})
-    assert decisions._agree(store, key, disk.call, mine, FP[1]).winner == "sdpa"
-    later = decisions._agree(store, key, disk.call, theirs, FP[1])
-    assert later.winner == "sdpa" and later.source == "this job"
+    monkeypatch.setattr(cache, "job_store", lambda: store)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert stand_in.serve(causal=True) == "sdpa"  # the first rank raced, and posted its winner
+    decisions.reset()  # another rank: a process of its own, the same job store
+    events.reset_counts()
+
+    def kept(*args):
+        return decisions.Decision(REQUESTED, {REQUESTED: "kept"}, {"requested": {"ms": 1.0}})
+
+    monkeypatch.setattr(decisions, "_race", kept)
+    assert stand_in.serve(causal=True) == "sdpa"
+    assert said(stand_in.events)[-1]["source"] == "this job"
 
 
-def test_several_ranks_without_a_group_never_race(disk, monkeypatch):
+def test_several_ranks_without_a_group_never_race(stand_in, monkeypatch):
     """No process group to agree through: a race's winner could differ per rank, so none runs;
     a decision already cached on this node (the same file for every rank) is used."""
 
@@ -280,15 +293,17 @@ def test_several_ranks_without_a_group_never_race(disk, monkeypatch):
     monkeypatch.setattr(decisions, "_race", no_race)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    entry = SimpleNamespace(params=("q",), name="flash_attn_func")
-    kept = decisions._decide(entry, (), {}, disk.call, decisions.Options())
-    assert kept.winner == REQUESTED and kept.source == "not measured"
-    assert "no process group" in kept.why[REQUESTED]
-    disk.cache.write_first(disk.call, decisions.Decision("sdpa", {"sdpa": "1.5x"}))
-    found = decisions._decide(entry, (), {}, disk.call, decisions.Options())
-    assert found.winner == "sdpa" and found.source == "disk cache"
+    assert stand_in.serve(causal=True) == REQUESTED
+    (ev,) = said(stand_in.events)
+    assert ev["reason_code"] == "not_raced" and "no process group" in ev["reason"]
+    decisions.reset()
+    events.reset_counts()
+    stand_in.disk_has("sdpa", causal=True)
+    assert stand_in.serve(causal=True) == "sdpa"
+    assert said(stand_in.events)[-1]["source"] == "disk cache"
+    decisions.reset()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # ranks on several nodes: disks differ
-    assert decisions._decide(entry, (), {}, disk.call, decisions.Options()).winner == REQUESTED
+    assert stand_in.serve(causal=True) == REQUESTED
 
 
 _RANK_PROGRAM = r"""
@@ -302,7 +317,7 @@ cache.fingerprint = lambda version: ("e" * 16, {"gpu": "Test GPU"})
 attnguard.activate(log="none")
 rank = dist.get_rank()
 # each rank measured another winner (as timing noise can make them); the job must agree
-def fake_race(entry, args, kwargs, call):
+def fake_race(*args):
     import time
     time.sleep(0.2 * rank)
     winner = "sdpa" if rank == 1 else "requested"
@@ -312,11 +327,11 @@ cache.Disk.read = lambda self, call, folder=None: None
 cache.Disk.write_first = lambda self, call, d: d
 class T(SimpleNamespace):
     pass
-q = T(shape=(4, 4096, 32, 128), dtype=torch.bfloat16, is_cuda=True, requires_grad=False)
+q = T(shape=(4, 4096, 32, 128), dtype=torch.bfloat16, is_cuda=True, requires_grad=False,
+      device=torch.device("cuda", 0))
 call = buckets.describe("flash_attn_func", {"q": q, "k": q, "causal": True})
-decisions._why_not_race = lambda: None
-entry = SimpleNamespace(params=("q",), name="flash_attn_func")
-got = decisions._decide(entry, (), {}, call, decisions.Options())
+entry = SimpleNamespace(params=("q", "k", "causal"), name="flash_attn_func", original=None)
+got = decisions.decide(entry, (q, q, True), {}, call, decisions.Options())
 print(json.dumps({"rank": rank, "winner": got.winner, "source": got.source}))
 dist.destroy_process_group()
 """
@@ -333,6 +348,292 @@ def test_two_ranks_of_a_job_agree_on_one_winner(tmp_path):
     assert len(got) == 2
     assert got[0]["winner"] == got[1]["winner"] == "requested"  # rank 0 posted first
     assert {g["source"] for g in got} == {"measured", "this job"}
+
+
+# --- what a decision read from the store or the disk may be, and when nothing is raced ---------
+
+FLASH_PARAMS = (
+    "q",
+    "k",
+    "v",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size",
+    "softcap",
+    "alibi_slopes",
+    "deterministic",
+    "return_attn_probs",
+)
+
+
+def _requested_kernel(*args, **kwargs):
+    raise AssertionError("a stand-in: the test looks at the decision, the kernel is not called")
+
+
+ENTRY = SimpleNamespace(
+    name="flash_attn_func",
+    params=FLASH_PARAMS,
+    original=_requested_kernel,
+    site="flash_attn.flash_attn_func",
+)
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch, captured):
+    """The fingerprint and the race stood in on CPU (each race "measures" ``sdpa`` faster and is
+    counted); ``serve`` answers with the kernel name that computes a call."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    decisions.reset()
+    monkeypatch.setattr(cache, "fingerprint", lambda version: FP)
+    raced = []
+
+    def fake_race(*args, **kwargs):
+        raced.append(args)
+        return decisions.Decision("sdpa", {"sdpa": "1.50x"}, {"sdpa": {"ms": 1.0}})
+
+    monkeypatch.setattr(decisions, "_race", fake_race)
+    attnguard.activate(log="none")
+
+    def serve(opts=None, **call):
+        args = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), **call}
+        impl = decisions.serve(ENTRY, (), args, opts or decisions.Options(version="0"))
+        return REQUESTED if impl is None else _served_name(impl)
+
+    def disk_has(winner, **call):
+        args = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), **call}
+        described = buckets.describe("flash_attn_func", args)
+        decision = decisions.Decision(winner, {winner: "1.50x"}, {winner: {"ms": 1.0}})
+        disk = cache.Disk(cache.cache_root(), FP)
+        assert disk.write_first(described, decision).winner == winner
+        return described
+
+    yield SimpleNamespace(serve=serve, disk_has=disk_has, raced=raced, events=captured)
+    decisions.reset()
+
+
+def _served_name(impl):
+    """Which candidate an implementation returned by serve() is (by identity, from the cache of
+    implementations serve() keeps)."""
+    names = [n for (entry, n), made in decisions._state.impls.items() if made is impl]
+    assert len(names) == 1, names
+    return names[0]
+
+
+def said(events):
+    return [e for e in events if e["event"] == "kernel_selected"]
+
+
+# a causal call with fewer queries than keys that returns the LSE: SDPA's flash backend computes
+# neither bottom-right causality nor the LSE (its candidates: requested, sdpa, torch_flash)
+LSE_CALL = {
+    "q": FakeCuda(2, 100, 8, 64),
+    "k": FakeCuda(2, 300, 2, 64),
+    "causal": True,
+    "return_attn_probs": True,
+}
+
+
+class ForgedStore:
+    """A job's store that anyone on the network posted to first: it holds ``raw`` for every
+    kernel decision key (the TCPStore has no authentication)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def check(self, keys):
+        return True
+
+    def get(self, key):
+        return self.raw
+
+    def compare_set(self, key, expected, desired):
+        return self.raw
+
+
+def test_a_posted_decision_that_is_no_candidate_for_the_call_is_not_used(stand_in, monkeypatch):
+    described = buckets.describe("flash_attn_func", LSE_CALL)
+    forged = cache.record(described, decisions.Decision("sdpa_flash"), FP[1])
+    monkeypatch.setattr(cache, "job_store", lambda: ForgedStore(forged))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert stand_in.serve(**LSE_CALL) == REQUESTED
+    assert not stand_in.raced  # every rank judges the posted value alike: nobody races
+    (ev,) = said(stand_in.events)
+    assert ev["selected"] == "flash_attn_func" and ev["source"] == "this job"
+    assert "sdpa_flash" in ev["reason"] and "not a candidate" in ev["reason"]
+
+
+def test_a_cached_decision_that_is_no_candidate_for_the_call_is_ignored(stand_in):
+    stand_in.disk_has("sdpa_flash", **LSE_CALL)
+    assert stand_in.serve(**LSE_CALL) == "sdpa"  # measured again
+    assert len(stand_in.raced) == 1
+    (ignored_ev,) = ignored(stand_in.events)
+    assert "sdpa_flash" in ignored_ev["reason"] and "not a candidate" in ignored_ev["reason"]
+
+
+@pytest.fixture
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_mode_keeps_the_requested_kernel_over_a_cached_decision(
+    stand_in, deterministic
+):
+    stand_in.disk_has("sdpa", causal=True)
+    assert stand_in.serve(causal=True) == REQUESTED
+    assert not stand_in.raced and not said(stand_in.events)
+    torch.use_deterministic_algorithms(False)  # switched off: a later call decides
+    assert stand_in.serve(causal=True) == "sdpa"
+    assert said(stand_in.events)[0]["source"] == "disk cache"
+
+
+def test_warn_mode_serves_every_bucket_with_the_requested_kernel(stand_in):
+    """The mode in force decides, not the mode a bucket was first decided in."""
+    from attnguard import callguard
+
+    def serve(mode, **call):
+        return stand_in.serve(callguard._selection_options(attnguard.configure(mode=mode)), **call)
+
+    assert serve("fix", causal=True) == "sdpa"
+    assert serve("warn", causal=True) == REQUESTED  # decided in fix mode
+    assert serve("warn", causal=False) == REQUESTED  # first decided in warn mode
+    assert serve("fix", causal=False) == "sdpa"
+    assert serve("fix", causal=True) == "sdpa"
+    assert len(stand_in.raced) == 2
+    first = {e["bucket"][4]: e["applied"] for e in said(stand_in.events)}
+    assert first == {"True": True, "False": False}  # each said once, as it was applied then
+
+
+_FORK_PROGRAM = r"""
+import os, sys, threading, time
+from types import SimpleNamespace
+import torch
+import attnguard
+from attnguard.selection import cache, decisions
+attnguard.activate(log="none")
+cache.fingerprint = lambda version: ("f" * 16, {"gpu": "Test GPU"})
+deciding, release = threading.Event(), threading.Event()
+
+def fake_race(entry, args, kwargs, call, *rest):
+    if call.bucket[5]:  # the causal bucket: held until the parent lets it go
+        deciding.set()
+        release.wait(60)
+    return decisions.Decision("requested", {"requested": "kept"})
+
+decisions._race = fake_race
+class T(SimpleNamespace):
+    pass
+def q(*shape):
+    return T(shape=shape, dtype=torch.bfloat16, is_cuda=True, requires_grad=False,
+             device=torch.device("cuda", 0))
+entry = SimpleNamespace(name="flash_attn_func", params=("q", "k", "causal"), original=None,
+                        site="flash_attn.flash_attn_func")
+def serve(causal):
+    return decisions.serve(entry, (q(2, 64, 4, 64), q(2, 64, 4, 64), causal), {},
+                           decisions.Options(version="0"))
+thread = threading.Thread(target=serve, args=(True,))
+thread.start()
+assert deciding.wait(60)
+pid = os.fork()
+if pid == 0:
+    serve(False)  # a new bucket in the child, while the parent's thread still decides its own
+    os._exit(0)
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    status = "blocked"
+release.set()
+thread.join()
+print("CHILD", status)
+"""
+
+
+def test_a_child_forked_while_a_bucket_is_decided_decides_its_own(tmp_path):
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [PY, "-c", _FORK_PROGRAM], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split()[-2:] == ["CHILD", "0"], res.stdout
+
+
+_RANKS_DIFFER = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+import attnguard
+from attnguard import events
+from attnguard.selection import cache, decisions
+from types import SimpleNamespace
+case, rank = sys.argv[1], dist.get_rank()
+gpu = "H100 SXM" if case == "gpus differ" and rank == 0 else "H100 PCIe"
+cache.fingerprint = lambda version: (gpu.replace(" ", "")[:16], {"gpu": gpu})
+attnguard.activate(log="none")
+first = 0 if case != "deterministic rank last" else 1
+if case.startswith("deterministic") and rank == 0:
+    torch.use_deterministic_algorithms(True)
+def fake_race(*args):
+    return decisions.Decision("sdpa" if rank == 1 else "requested", {"x": f"rank {rank}"},
+                              {"sdpa": {"ms": 1.0}})
+decisions._race = fake_race
+class T(SimpleNamespace):
+    pass
+q = T(shape=(4, 4096, 32, 128), dtype=torch.bfloat16, is_cuda=True, requires_grad=False,
+      device=torch.device("cuda", 0))
+entry = SimpleNamespace(name="flash_attn_func", params=("q", "k", "causal"), original=None,
+                        site="flash_attn.flash_attn_func")
+if rank != first:
+    dist.barrier()  # the other rank reaches the bucket (and posts) first
+with events.capture() as seen:
+    impl = decisions.serve(entry, (q, q, True), {}, decisions.Options(version="0"))
+if rank == first:
+    dist.barrier()
+ev = [e for e in seen if e["event"] == "kernel_selected"]
+print(json.dumps({"rank": rank, "served": "requested" if impl is None else "another",
+                  "said": [(e["level"], e["reason"]) for e in ev]}))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("case", ["gpus differ", "deterministic rank first"])
+def test_ranks_agree_whatever_their_gpus_and_determinism(tmp_path, case):
+    """One rank on another GPU model (another fingerprint), or in deterministic mode: every rank
+    computes the bucket with the same kernel (here the requested one, which the first rank to
+    reach the bucket posted)."""
+    got = _two_ranks(tmp_path, _RANKS_DIFFER, case)
+    assert [g["served"] for g in got] == ["requested", "requested"], got
+
+
+def test_a_deterministic_rank_that_comes_last_says_the_ranks_differ(tmp_path):
+    """The other rank already computes with the kernel it posted; this rank's deterministic mode
+    keeps the requested kernel, and a warning says the ranks now differ on that bucket."""
+    got = _two_ranks(tmp_path, _RANKS_DIFFER, "deterministic rank last")
+    assert [g["served"] for g in got] == ["requested", "another"], got
+    (level, reason), *_ = got[0]["said"]
+    assert level == "warning" and "ranks differ" in reason and "deterministic" in reason
+
+
+def _two_ranks(tmp_path, program, *argv):
+    script = tmp_path / "ranks.py"
+    script.write_text(program)
+    env = subprocess_env(OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    res = subprocess.run([*cmd, *argv], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = sorted(
+        (json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")),
+        key=lambda g: g["rank"],
+    )
+    assert len(got) == 2, res.stdout
+    return got
 
 
 # --- the package's place ----------------------------------------------------------------------

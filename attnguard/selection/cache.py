@@ -9,7 +9,9 @@ record both hold (one JSON object per bucket).
   followed, bounded). A file that is corrupt, of another GPU or version, or not this user's is
   ignored with one ``observed`` event (``kernel_cache_ignored``), never trusted, never a crash.
 * The job's store: with a process group of several ranks up, the default group's store; the
-  first rank to decide posts its record there (``compare_set``) and every rank reads it back.
+  first rank to decide posts its record there (``compare_set``) and every rank reads it back. Its
+  key is the bucket's alone (:func:`store_key`): every rank of the job reads the same one,
+  whatever its GPU. The store has no authentication: what it holds is checked like a file.
 
 Nothing here decides anything: :mod:`attnguard.selection.decisions` does.
 """
@@ -27,7 +29,7 @@ from .. import events, safefiles
 from .buckets import CANDIDATES, Call
 
 SCHEMA = 1
-STORE_PREFIX = "attnguard/kernel/v1/"
+STORE_PREFIX = "attnguard/kernel/v2/"
 MAX_FILE_BYTES = 1 << 16
 
 
@@ -39,6 +41,7 @@ class Decision:
     why: dict[str, str] = field(default_factory=dict)
     measured: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "measured"  # measured | this job (store) | disk cache | not measured
+    differs: bool = False  # this rank keeps the requested kernel where the job chose another
 
     def as_json(self) -> dict[str, Any]:
         return {"winner": self.winner, "why": self.why, "measured": self.measured}
@@ -90,6 +93,11 @@ def bucket_id(bucket: tuple[Any, ...]) -> str:
     return hashlib.sha256(json.dumps(list(bucket), default=str).encode()).hexdigest()[:24]
 
 
+def store_key(call: Call) -> str:
+    """The job-wide key of ``call``'s bucket in the process group's store."""
+    return STORE_PREFIX + bucket_id(call.bucket)
+
+
 def _bucket_json(call: Call) -> list[Any]:
     """The bucket as it reads back from JSON (tuples become lists, dtypes strings)."""
     return json.loads(json.dumps(list(call.bucket), default=str))
@@ -107,15 +115,17 @@ class NotADecision(ValueError):
     """Why stored bytes are not a decision this process may use."""
 
 
-def parse(raw: bytes, call: Call, fp: dict[str, Any]) -> Decision:
-    """A stored decision for ``call``'s bucket; :class:`NotADecision` says why it is not one."""
+def parse(raw: bytes, call: Call, fp: dict[str, Any] | None) -> Decision:
+    """A stored decision for ``call``'s bucket, made on fingerprint ``fp`` (None: on any);
+    :class:`NotADecision` says why it is not one. Whether this call may use it is the rules'
+    (:func:`attnguard.selection.decisions.why_not`)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         raise NotADecision("unreadable (not JSON)") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         raise NotADecision("not a kernel decision of this schema")
-    if data.get("fingerprint") != fp:
+    if fp is not None and data.get("fingerprint") != fp:
         raise NotADecision("made on another GPU or with other versions")
     if data.get("bucket") != _bucket_json(call):
         raise NotADecision("for another bucket")

@@ -1,26 +1,26 @@
-"""The decisions: made once per bucket, the same on every rank of a job, said once
-(``kernel_selected``).
+"""The decisions: which kernel serves each bucket — made once, the same on every rank of a job,
+said once (``kernel_selected``). Why a call ran on the kernel it ran on is decided here: the rules
+are :func:`why_not`, the order :func:`decide`.
 
 :func:`serve` is called by the call-time guard (:mod:`attnguard.callguard`) for every flash-attn
 call the real kernel could compute while ``ATTNGUARD_KERNEL=fastest`` is on, with the settings it
 needs (:class:`Options`). It answers with the candidate that computes the call (None: the
-requested kernel). For a bucket seen for the first time it looks in this order:
+requested kernel). A bucket's decision is this process's from its first call on; whether it is
+applied is the mode's at each call (fix: applied; warn, strict: said, not applied).
 
-1. this process's decisions;
-2. the job's: with a process group up, its store holds the decision the first rank to decide
-   posted (``compare_set``: the first writer wins, every rank adopts that value: ranks never
-   diverge, and nobody waits for anybody);
-3. the disk cache (:mod:`attnguard.selection.cache`);
-4. a race on the call's own inputs (:mod:`attnguard.selection.race`), at most :data:`BUDGET_S`
-   seconds per process in total (a race that would overrun it is not started). With several
-   ranks, what a rank decided (a winner, or "the requested kernel" when its budget is spent) is
-   posted to the store and the first posted decision is everybody's.
+For a bucket seen for the first time, :func:`decide` looks in this order:
 
-It never races inside a ``torch.compile`` trace or while a CUDA graph is being captured (the
-decision must exist before: the first eager call makes it), under
-``torch.use_deterministic_algorithms(True)`` (no candidate is vouched deterministic), or with
-several ranks and no process group (a race's winner could differ per rank: a decision already in
-this node's disk cache is used, else the requested kernel computes).
+1. the job's decision: with a process group of several ranks up, the one the first rank to decide
+   posted to the group's store (``compare_set``: the first writer wins; every rank, whatever its
+   GPU, reads the same key, and nobody waits for anybody);
+2. this machine's disk cache (:mod:`attnguard.selection.cache`);
+3. a race on the call's own inputs (:mod:`attnguard.selection.race`), at most :data:`BUDGET_S`
+   seconds per process in total (a race that would overrun it is not started);
+4. with a process group up, what this rank decided — a winner, or "the requested kernel" when it
+   may not race — is posted, and the first posted decision is everybody's.
+
+What is read from the store or the disk is used only when :func:`why_not` allows it for this
+call (a winner among its candidates; deterministic mode takes the requested kernel only).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .buckets import REQUESTED, Call
 from .cache import Decision
 
 BUDGET_S = 2.0
+_DETERMINISTIC = "torch.use_deterministic_algorithms(True) is on"
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,74 @@ class Options:
     version: str = ""  # attnguard's version: part of the fingerprint of a measured decision
 
 
+@dataclass(frozen=True)
+class Situation:
+    """What this rank knows when it meets a bucket for the first time (the rules' facts)."""
+
+    candidates: tuple[str, ...]  # what may compute this call here, the requested kernel first
+    ranks: int = 1  # the job's world size
+    group: bool = False  # a process group's store to agree through
+    one_node: bool = False  # every rank of the job runs on this node: they read one disk
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True)
+    capturing: bool = False  # a CUDA graph is being captured
+
+
+def why_not(step: str, s: Situation, found: Decision | None = None) -> str | None:
+    """The rules of the decisions, in one place: why this rank may not take ``step`` for a new
+    bucket now (None: it may). :func:`decide` asks in this order:
+
+    * ``"decide"``: not while a CUDA graph is captured, nor in deterministic mode with no process
+      group to post to (the call keeps the requested kernel and a later call decides).
+    * ``"adopt"`` ``found``, a decision read from the job's store or the disk: its winner must be
+      one of this call's candidates (the store has no authentication, a file may be old or
+      planted); in deterministic mode only the requested kernel. Every rank judges a posted
+      decision alike, so a refused one leaves every rank on the requested kernel — except a rank
+      in deterministic mode that finds another rank's winner already posted.
+    * ``"read disk"``: not in deterministic mode; with several ranks and no process group only
+      when every rank is on this node (the same file for all of them).
+    * ``"race"``: not in deterministic mode (no candidate is vouched deterministic), not with
+      several ranks and no process group (winners could differ per rank), not once this
+      process's race budget is spent.
+    """
+    if step == "decide":
+        if s.capturing:
+            return "while a CUDA graph is being captured"
+        if s.deterministic and not s.group:
+            return _DETERMINISTIC
+        return None
+    if step == "adopt":
+        assert found is not None
+        if found.winner not in s.candidates:
+            shown = repr(found.winner[:40])
+            return f"{shown} is not a candidate for this call ({', '.join(s.candidates)})"
+        if s.deterministic and found.winner != REQUESTED:
+            return f"{_DETERMINISTIC}: the requested kernel computes, not {found.winner}"
+        return None
+    if step == "read disk":
+        if s.deterministic:
+            return _DETERMINISTIC
+        if s.ranks > 1 and not s.group and not s.one_node:
+            return "ranks on several nodes and no process group: their disks may differ"
+        return None
+    if step == "race":
+        if s.deterministic:
+            return f"{_DETERMINISTIC} (no candidate is vouched deterministic)"
+        if s.ranks > 1 and not s.group:
+            return "several ranks and no process group up to agree through: no race"
+        if _state.spent_s >= BUDGET_S:
+            return f"this process's {BUDGET_S:g} s race budget is spent"
+        return None
+    raise ValueError(f"unknown step {step!r}")
+
+
 class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.made: dict[tuple[Any, ...], Decision] = {}
+        self.said: dict[tuple[Any, ...], bool] = {}  # bucket -> applied, as last said
         self.impls: dict[tuple[str, str], Any] = {}
         self.spent_s = 0.0
+        self.forked = False  # a forked child: the parent's process group is not its own
 
 
 _state = _State()
@@ -65,35 +128,49 @@ def reset() -> None:
     cache.reset()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child decides its own buckets: a new lock (another thread of the parent may have
+    held it at the fork), and no use of the parent's process-group store (its connection is the
+    parent's)."""
+    _state.lock = threading.RLock()
+    _state.forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # --- deciding ---------------------------------------------------------------------------------
 
 
-def _why_not_race() -> tuple[str, bool] | None:
-    """Why no race may run now, and whether that passes (a later call may still decide)."""
+def situation(entry: Any, args: tuple, kwargs: dict, call: Call) -> Situation:
+    """The facts :func:`why_not` reads, for ``call`` now."""
     import torch
 
-    try:
-        if torch.cuda.is_current_stream_capturing():
-            return "while a CUDA graph is being captured", True
-    except Exception:
-        pass
-    if torch.are_deterministic_algorithms_enabled():
-        return "torch.use_deterministic_algorithms(True) is on", True
-    if _state.spent_s >= BUDGET_S:
-        return f"this process's {BUDGET_S:g} s race budget is spent", False
-    return None
-
-
-def _kept(why: str) -> Decision:
-    return Decision(REQUESTED, {REQUESTED: why}, source="not measured")
-
-
-def _race(entry: Any, args: tuple, kwargs: dict, call: Call) -> Decision:
     from ..fallback import torch_flash
 
     q = call_arg(entry, args, kwargs, "q")
-    names = buckets.candidates(call, torch_flash.can_run(q, q, q))
-    impls = race.implementations(entry.name, entry.original, entry.params, names)
+    ranks = events.launch_context()["world_size"]
+    try:
+        capturing = bool(torch.cuda.is_current_stream_capturing())
+    except Exception:
+        capturing = False
+    return Situation(
+        candidates=tuple(buckets.candidates(call, torch_flash.can_run(q, q, q))),
+        ranks=ranks,
+        group=not _state.forked and cache.job_store() is not None,
+        one_node=os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(ranks),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        capturing=capturing,
+    )
+
+
+def _kept(why: str, source: str = "not measured", differs: bool = False) -> Decision:
+    return Decision(REQUESTED, {REQUESTED: why}, source=source, differs=differs)
+
+
+def _race(entry: Any, args: tuple, kwargs: dict, call: Call, s: Situation) -> Decision:
+    impls = race.implementations(entry.name, entry.original, entry.params, list(s.candidates))
     t0 = time.perf_counter()
     try:
         left = BUDGET_S - _state.spent_s
@@ -122,58 +199,67 @@ def _same(a: Decision, b: Decision) -> bool:
     return a.as_json() == b.as_json()
 
 
-def _agree(store: Any, key: str, call: Call, decision: Decision, fp: dict[str, Any]) -> Decision:
-    """Post ``decision`` unless a rank posted first; every rank returns the posted one."""
-    posted = store.compare_set(key, "", cache.record(call, decision, fp).decode())
-    got = cache.parse(posted if isinstance(posted, bytes) else str(posted).encode(), call, fp)
-    return decision if _same(got, decision) else _with_source(got, "this job")
+def _posted(raw: Any, call: Call, s: Situation) -> Decision:
+    """The job's decision as this rank computes it: the posted one when the rules allow it here,
+    else the requested kernel (and whether this rank then differs from the job)."""
+    raw = raw if isinstance(raw, bytes) else str(raw).encode()
+    try:
+        found = cache.parse(raw, call, None)  # any GPU's: ranks agree whatever their GPUs
+    except cache.NotADecision as exc:
+        return _kept(f"the job's posted decision is not one ({exc})", source="this job")
+    why = why_not("adopt", s, found)
+    if why is None:
+        found.source = "this job"
+        return found
+    differs = found.winner != REQUESTED and found.winner in s.candidates
+    if differs:
+        why += f"; the job's decision is {found.winner}: the ranks differ on this bucket"
+    return _kept(f"the job's posted decision: {why}", source="this job", differs=differs)
 
 
-def _decide(entry: Any, args: tuple, kwargs: dict, call: Call, opts: Options) -> Decision | None:
-    """The decision every rank of this job uses for ``call``'s bucket (the module doc's order);
-    None when it cannot be made now but may be later (a CUDA graph capture, deterministic mode
-    switched on for a while)."""
-    launch = events.launch_context()
-    store = cache.job_store()
-    fp = cache.fingerprint(opts.version)
-    disk = cache.Disk(cache.cache_root(), fp)
-    key = cache.STORE_PREFIX + fp[0] + "/" + cache.bucket_id(call.bucket)
+def decide(entry: Any, args: tuple, kwargs: dict, call: Call, opts: Options) -> Decision | None:
+    """The decision this rank uses for ``call``'s bucket (the module doc's order, the rules of
+    :func:`why_not`); None when it cannot be made now but may be later."""
+    s = situation(entry, args, kwargs, call)
+    if why_not("decide", s) is not None:
+        return None
+    store = cache.job_store() if s.group else None
+    key = cache.store_key(call)
     if store is not None:
         try:
-            if store.check([key]):
-                return _with_source(cache.parse(store.get(key), call, fp[1]), "this job")
+            raw = store.get(key) if store.check([key]) else None
         except Exception:
             return _kept("the process group's store could not be read to agree")
-    if launch["world_size"] > 1 and store is None:
-        # several ranks and no group to agree through: no race (its winner could differ per
-        # rank); a decision already on this node's disk is the same file for every rank
-        one_node = os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(launch["world_size"])
-        found = disk.read(call) if one_node else None
-        if found is not None:
-            return _with_source(found, "disk cache")
-        return _kept("several ranks and no process group up to agree through: no race")
-    decision = disk.read(call)
-    if decision is not None:
-        decision.source = "disk cache"
-    else:
-        blocked = _why_not_race()
-        if blocked is not None and blocked[1]:
-            return None
-        decision = _kept(blocked[0]) if blocked else _race(entry, args, kwargs, call)
-        if decision.source != "not measured":  # only measurements go to disk
+        if raw is not None:
+            return _posted(raw, call, s)
+    fp = cache.fingerprint(opts.version)
+    disk = cache.Disk(cache.cache_root(), fp)
+    decision = None
+    if why_not("read disk", s) is None:
+        found = disk.read(call)
+        why = why_not("adopt", s, found) if found is not None else None
+        if found is not None and why is None:
+            found.source = "disk cache"
+            decision = found
+        elif why is not None:
+            cache.ignored(why)
+    if decision is None:
+        why = why_not("race", s)
+        decision = _kept(why) if why else _race(entry, args, kwargs, call, s)
+        if decision.source == "measured":  # only measurements go to disk
             on_disk = disk.write_first(call, decision)
-            if on_disk is not None and not _same(on_disk, decision):
-                decision = _with_source(on_disk, "disk cache")  # another process was first
+            first = on_disk is not None and not _same(on_disk, decision)
+            if first and why_not("adopt", s, on_disk) is None:  # another process was first
+                on_disk.source = "disk cache"
+                decision = on_disk
     if store is not None:  # a kept decision is posted too: every rank then uses the same
+        mine = cache.record(call, decision, fp[1])
         try:
-            decision = _agree(store, key, call, decision, fp[1])
+            raw = store.compare_set(key, "", mine.decode())
         except Exception:
             return _kept("the process group's store could not be used to agree")
-    return decision
-
-
-def _with_source(decision: Decision, source: str) -> Decision:
-    decision.source = source
+        if (raw if isinstance(raw, bytes) else str(raw).encode()) != mine:
+            return _posted(raw, call, s)  # another rank posted first
     return decision
 
 
@@ -188,7 +274,8 @@ def call_arg(entry: Any, args: tuple, kwargs: dict, name: str) -> Any:
 
 
 def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
-    """One ``kernel_selected`` per site and bucket: the candidates measured, the winner, why."""
+    """``kernel_selected`` for a site and bucket: the candidates measured, the winner, why, and
+    whether it is applied (said again, counted, when a mode change flips that)."""
     changed = decision.winner != REQUESTED
     fields: dict[str, Any] = {
         "requested": entry.name,
@@ -206,7 +293,7 @@ def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
             f"({decision.why.get(decision.winner, '')})"
         )
     else:
-        code = "not_raced" if decision.source == "not measured" else "requested_kept"
+        code = "requested_kept" if decision.measured else "not_raced"
         reason = (
             f"{entry.name} ({call.label}): the requested kernel stays "
             f"({decision.why.get(REQUESTED, '')})"
@@ -216,7 +303,7 @@ def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
         site=f"{entry.site}#{cache.bucket_id(call.bucket)[:8]}",
         reason_code=code,
         reason=reason,
-        level="warning" if changed and apply else "info",
+        level="warning" if (changed and apply) or decision.differs else "info",
         **fields,
     )
 
@@ -230,21 +317,21 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     if isinstance(key, str):
         return None  # a call the switch leaves alone
     decision = _state.made.get(key)
-    if decision is None:
+    if decision is None or (decision.winner != REQUESTED and _state.said.get(key) != opts.apply):
         if events.is_compiling():
             return None  # no side effect inside a trace: the first eager call decides
         call = buckets.describe(entry.name, named)
         with _state.lock:
             decision = _state.made.get(call.bucket)
             if decision is None:
-                decision = _decide(entry, args, kwargs, call, opts)
+                decision = decide(entry, args, kwargs, call, opts)
                 if decision is None:
                     return None
-                _say(entry, call, decision, opts.apply)
-                if not opts.apply:  # warn mode: said, not applied
-                    decision = Decision(REQUESTED, decision.why, decision.measured, decision.source)
                 _state.made[call.bucket] = decision
-    if decision.winner == REQUESTED:
+            if _state.said.get(call.bucket) != opts.apply:
+                _state.said[call.bucket] = opts.apply
+                _say(entry, call, decision, opts.apply)
+    if decision.winner == REQUESTED or not opts.apply:
         return None
     impl = _state.impls.get((entry.name, decision.winner))
     if impl is None:
