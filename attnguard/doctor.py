@@ -10,6 +10,7 @@ from typing import Any
 
 from . import facts as facts_mod
 from .config import Settings, load
+from .eventfiles import printable
 from .patches import transformers_kernels
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
@@ -150,11 +151,10 @@ def render(as_json: bool = False) -> str:
     cached = data["kernel_decisions"]
     if not cached:
         lines.append("  none")
-    for d in cached:
+    for d in cached:  # what the files hold is shown as text: no terminal escape gets through
         if "error" in d:
-            lines.append(f"  {d['file']}: unreadable ({d['error']})")
+            lines.append(f"  {printable(d['file'])}: not used ({printable(d['error'])})")
             continue
-        gpu = (d.get("fingerprint") or {}).get("gpu", "?")
-        bucket = "/".join(str(x) for x in (d.get("bucket") or []))
-        lines.append(f"  {gpu}: {bucket} -> {d.get('winner')} ({d.get('why')})")
+        shown = {k: printable(d[k]) for k in ("gpu", "bucket", "winner", "why")}
+        lines.append(f"  {shown['gpu']}: {shown['bucket']} -> {shown['winner']} ({shown['why']})")
     return "\n".join(lines)

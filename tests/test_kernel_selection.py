@@ -636,6 +636,38 @@ def _two_ranks(tmp_path, program, *argv):
     return got
 
 
+# --- attnguard doctor reads the cache under the same rules ---------------------------------------
+
+
+def test_doctor_lists_the_cache_under_the_file_rules(tmp_path):
+    """A shared cache directory with another user's plants: a FIFO (an open would block for ever),
+    terminal escapes in a record, a link to a file elsewhere, a directory anyone may write.
+    doctor finishes, prints no escape and nothing of what the links lead to, and names each."""
+    root = tmp_path / "attnguard" / "kernels"
+    mine = root / ("a" * 16)
+    mine.mkdir(parents=True, mode=0o700)
+    os.mkfifo(mine / "fifo.json")
+    evil = {"schema": 1, "fingerprint": {"gpu": "\x1b]0;owned\x07GPU"}, "bucket": ["\x1b[2J"]}
+    (mine / "escapes.json").write_text(json.dumps({**evil, "winner": "sdpa\x1b[31m"}))
+    secret = tmp_path / "secret.txt"
+    secret.write_text(json.dumps({"winner": "SECRET-CONTENT", "why": {}}))
+    os.symlink(secret, mine / "link.json")
+    shared = root / ("b" * 16)
+    shared.mkdir(mode=0o700)
+    (shared / "planted.json").write_text(json.dumps({"winner": "PLANTED", "why": {}}))
+    os.chmod(shared, 0o777)
+    env = subprocess_env(XDG_CACHE_HOME=str(tmp_path))
+    res = subprocess.run(
+        [PY, "-m", "attnguard", "doctor"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    listed = res.stdout.split("Kernel decisions cached on this machine", 1)[1]
+    assert "\x1b" not in res.stdout and "\x07" not in res.stdout
+    assert "SECRET-CONTENT" not in listed and "PLANTED" not in listed
+    assert "FIFO" in listed and "symbolic link" in listed and "written by other users" in listed
+    assert "\\x1b" in listed  # the escapes shown as text
+
+
 # --- the package's place ----------------------------------------------------------------------
 
 _ABOVE = ("attnguard", "attnguard.runtime", "attnguard.callguard", "attnguard.doctor")

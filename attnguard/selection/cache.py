@@ -233,33 +233,54 @@ def job_store() -> Any:
 
 
 def listing(root: str | None = None) -> list[dict[str, Any]]:
-    """The decisions in this machine's disk cache (``attnguard doctor``): every fingerprint
-    directory, each file's bucket and winner; unreadable files are named, never raised."""
+    """The decisions in a disk cache (``attnguard doctor``), read under the cache's own rules:
+    a fingerprint directory only when it is a real directory of this user that no one else may
+    write, a file only when it is a regular file of this user (no link followed, a FIFO never
+    opened) of at most :data:`MAX_FILE_BYTES`. What cannot be used is named with the reason,
+    never read; strings are as stored (the caller shows them safely)."""
     base = root or cache_root()
     out: list[dict[str, Any]] = []
     try:
-        prints = sorted(os.listdir(base))
+        prints = sorted(os.listdir(base))[:_MAX_LISTED]
     except OSError:
         return out
     for fp in prints:
-        folder = os.path.join(base, fp)
+        path = os.path.join(base, fp)
+        if not os.path.lexists(path):
+            continue  # gone since the listing: nothing to make
         try:
-            names = sorted(n for n in os.listdir(folder) if n.endswith(".json"))
-        except OSError:
+            folder = safefiles.PrivateDir(path)
+        except OSError as exc:
+            out.append({"file": path, "error": _why(exc)})
             continue
-        for name in names[:500]:
-            path = os.path.join(folder, name)
-            try:
-                with open(path, "rb") as fh:
-                    data = json.loads(fh.read(MAX_FILE_BYTES + 1))
-                out.append(
-                    {
-                        "fingerprint": data.get("fingerprint"),
-                        "bucket": data.get("bucket"),
-                        "winner": data.get("winner"),
-                        "why": (data.get("why") or {}).get(data.get("winner"), ""),
-                    }
-                )
-            except Exception as exc:
-                out.append({"file": path, "error": type(exc).__name__})
+        with folder:
+            names = sorted(n for n in folder.names() if n.endswith(".json"))
+            for name in names[:_MAX_LISTED]:
+                try:
+                    raw, _ = folder.read(name, MAX_FILE_BYTES)
+                except OSError as exc:
+                    out.append({"file": os.path.join(path, name), "error": _why(exc)})
+                    continue
+                out.append({"file": os.path.join(path, name), **_shown(raw)})
     return out
+
+
+_MAX_LISTED = 500
+
+
+def _shown(raw: bytes) -> dict[str, Any]:
+    """What doctor shows of one record: its GPU, bucket, winner and why, as strings (cut)."""
+    try:
+        data = json.loads(raw.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return {"error": "not JSON"}
+    if not isinstance(data, dict):
+        return {"error": "not a kernel decision"}
+    fp, bucket, why = data.get("fingerprint"), data.get("bucket"), data.get("why")
+    winner = str(data.get("winner"))[:40]
+    return {
+        "gpu": str(fp.get("gpu"))[:80] if isinstance(fp, dict) else "?",
+        "bucket": "/".join(str(x) for x in bucket)[:300] if isinstance(bucket, list) else "?",
+        "winner": winner,
+        "why": str(why.get(winner, ""))[:200] if isinstance(why, dict) else "",
+    }
