@@ -373,7 +373,14 @@ def _selection_options(settings: Settings) -> Any:
         from . import __version__
         from .selection.decisions import Options
 
-        made = _options = (settings, Options(apply=settings.changes_things, version=__version__))
+        made = _options = (
+            settings,
+            Options(
+                apply=settings.changes_things,
+                version=__version__,
+                cache_dir=settings.kernel_cache,
+            ),
+        )
     return made[1]
 
 

@@ -38,6 +38,7 @@ def collect() -> dict[str, Any]:
         "sample_request": "flash_attention_2 + float32 + no device_map",
         "sample_plan": plan.as_dict(),
         "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
+        "kernel_cache": _kernel_cache(),
         "kernel_decisions": _kernel_decisions(),
     }
 
@@ -48,11 +49,18 @@ def _twin_table() -> Any:
     return TWIN_TABLE
 
 
+def _kernel_cache() -> str:
+    """Where ATTNGUARD_KERNEL=fastest keeps its decisions with the settings in force."""
+    from .selection.cache import cache_root
+
+    return _settings().kernel_cache or cache_root()
+
+
 def _kernel_decisions() -> list[dict[str, Any]]:
     """Decisions ATTNGUARD_KERNEL=fastest measured and cached on this machine."""
     from .selection.cache import listing
 
-    return listing()
+    return listing(_kernel_cache())
 
 
 def _sample_request() -> Any:
@@ -148,6 +156,7 @@ def render(as_json: bool = False) -> str:
         [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],
     )
     lines += ["", "Kernel decisions cached on this machine (ATTNGUARD_KERNEL=fastest)"]
+    lines.append(f"  in {printable(_kernel_cache())}")
     cached = data["kernel_decisions"]
     if not cached:
         lines.append("  none")
@@ -156,5 +165,10 @@ def render(as_json: bool = False) -> str:
             lines.append(f"  {printable(d['file'])}: not used ({printable(d['error'])})")
             continue
         shown = {k: printable(d[k]) for k in ("gpu", "bucket", "winner", "why")}
-        lines.append(f"  {shown['gpu']}: {shown['bucket']} -> {shown['winner']} ({shown['why']})")
+        spent = ""
+        if "race_s" in d:
+            spent = f"; raced in {d['race_s']:.2f} s + {d.get('warm_up_s', 0.0):.2f} s warm-up"
+        lines.append(
+            f"  {shown['gpu']}: {shown['bucket']} -> {shown['winner']} ({shown['why']}{spent})"
+        )
     return "\n".join(lines)

@@ -136,6 +136,24 @@ def test_buckets_round_shapes_up_to_powers_of_two():
     assert varlen.skip is None and varlen.bucket[10:12] == ("T", 32768)
 
 
+def test_packs_of_varying_lengths_share_a_bucket():
+    """A padding-free job: every step packs another number of sequences into about as many
+    tokens; the packs share one decision (one race), not one per sequence count."""
+
+    def pack(lengths):
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        total = int(cu[-1])
+        call = {"q": FakeCuda(total, 14, 64), "k": FakeCuda(total, 2, 64), "causal": True}
+        call.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths))
+        call["max_seqlen_k"] = max(lengths)
+        return buckets.describe("flash_attn_varlen_func", call).bucket
+
+    g = torch.Generator().manual_seed(0)
+    packs = [torch.randint(64, 513, (n,), generator=g).tolist() for n in (60, 70, 90, 110)]
+    packs = [p for p in packs if 16384 < sum(p) <= 32768 and max(p) > 256]
+    assert len(packs) >= 3 and len({pack(p) for p in packs}) == 1
+
+
 @pytest.mark.parametrize(
     "kw, why",
     [
@@ -187,6 +205,54 @@ def test_the_winner_is_within_tolerance_and_faster_by_the_margin():
     grads_off = {REQUESTED: base, "sdpa": Measured(ms=2.0, out_diff=0.0, grad_diff=0.2)}
     assert "gradients differ" in race.pick(grads_off, "bfloat16").why["sdpa"]
     assert race.pick({REQUESTED: Measured(error="x")}, "bfloat16").winner == REQUESTED
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_race_measures_every_candidate_on_the_calls_inputs(grad):
+    """The race's mechanics on CPU stand-ins (attnguard's twin as the "requested" kernel): the
+    probe is the requested kernel's warm run; every candidate's warm-up is compared with it and
+    kept out of the timing; a candidate that cannot take the call loses with its error."""
+    from attnguard import fallback
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 32, generator=g).requires_grad_(grad) for _ in range(3))
+    params = ("q", "k", "v", "dropout_p", "softmax_scale", "causal")
+    call = SimpleNamespace(entry="flash_attn_func", grad=grad)
+    names = [REQUESTED, "sdpa", "sdpa_cudnn"]
+    impls = race.implementations("flash_attn_func", fallback.flash_attn_func, params, names)
+    run = race.Race(impls, params, (q, k, v), {"causal": True}, call)
+    probe = run.probe()
+    assert 0 < probe < 10 and run.projected_s() == pytest.approx(probe * race.REPS * 3)
+    measured = run.run()
+    assert measured["sdpa"].out_diff == 0.0 and len(measured["sdpa"].rounds) == race.REPS
+    assert (measured["sdpa"].grad_diff == 0.0) if grad else measured["sdpa"].grad_diff is None
+    assert "RuntimeError" in measured["sdpa_cudnn"].error  # no cuDNN on a CPU
+    timed = sum(m for name in (REQUESTED, "sdpa") for m in measured[name].rounds) / 1e3
+    assert run.timed_s == pytest.approx(probe + timed, rel=1e-6) and run.warm_up_s > 0
+    assert q.grad is None  # the caller's tensors are left alone
+
+
+def test_a_race_the_budget_cannot_afford_stops_after_the_probe():
+    from attnguard import fallback
+
+    decisions.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 32, generator=g) for _ in range(3))
+    entry = SimpleNamespace(
+        name="flash_attn_func", original=fallback.flash_attn_func, params=("q", "k", "v")
+    )
+    call = SimpleNamespace(entry="flash_attn_func", grad=False, dtype="bfloat16")
+    nearly_spent = decisions.Situation((REQUESTED, "sdpa"), spent_s=decisions.FLOOR_S - 1e-6)
+    kept = decisions._race(entry, (q, k, v), {}, call, nearly_spent)
+    assert kept.winner == REQUESTED and kept.probe_ms > 0 and not kept.measured
+    assert "this race would take about" in kept.why[REQUESTED]
+    raced = decisions._race(entry, (q, k, v), {}, call, decisions.Situation((REQUESTED, "sdpa")))
+    assert set(raced.measured) == {REQUESTED, "sdpa"} and raced.cost["race_s"] > 0
+    assert decisions._state.spent_s == pytest.approx(
+        kept.probe_ms / 1e3 + raced.cost["race_s"],
+        abs=1e-4,  # the cost is kept to 0.1 ms
+    )
+    decisions.reset()
 
 
 # --- the decisions on disk and across ranks -------------------------------------------------------
@@ -504,6 +570,86 @@ def test_warn_mode_serves_every_bucket_with_the_requested_kernel(stand_in):
     assert len(stand_in.raced) == 2
     first = {e["bucket"][4]: e["applied"] for e in said(stand_in.events)}
     assert first == {"True": True, "False": False}  # each said once, as it was applied then
+
+
+def test_the_race_budget_grows_with_the_time_spent_in_attention(stand_in, monkeypatch):
+    """Races may take a floor plus a share of the attention time so far: once the floor is
+    spent, a new bucket keeps the requested kernel (``not_raced``, saying the numbers); after
+    the job has spent enough time in attention, a new bucket is raced again."""
+
+    def costly_race(*args):
+        decisions._state.spent_s += decisions.FLOOR_S + 0.1  # more than the whole floor
+        measured = {"requested": {"ms": 80.0}, "sdpa": {"ms": 50.0}}
+        return decisions.Decision("sdpa", {"sdpa": "1.60x"}, measured, {"race_s": 3.0})
+
+    monkeypatch.setattr(decisions, "_race", costly_race)
+    assert stand_in.serve(causal=True) == "sdpa"
+    first = said(stand_in.events)[0]
+    assert first["cost"]["race_s"] == 3.0
+    assert first["cost"]["process_allowance_s"] == decisions.FLOOR_S
+    batch2 = {"q": FakeCuda(2, 4096, 32, 128), "k": FakeCuda(2, 4096, 8, 128), "causal": True}
+    assert stand_in.serve(**batch2) == REQUESTED
+    kept = said(stand_in.events)[-1]
+    assert kept["reason_code"] == "not_raced" and "race budget is spent" in kept["reason"]
+    # 2,000 calls served at 50 ms each: 100 s in attention, 1 % of it is one more second
+    for _ in range(2000):
+        stand_in.serve(causal=True)
+    batch1 = {"q": FakeCuda(1, 4096, 32, 128), "k": FakeCuda(1, 4096, 8, 128), "causal": True}
+    assert stand_in.serve(**batch1) == "sdpa"
+    assert said(stand_in.events)[-1]["cost"]["process_allowance_s"] == pytest.approx(
+        decisions.FLOOR_S + 1.0, rel=1e-3
+    )
+
+
+def test_the_rules_of_the_race_budget():
+    s = decisions.Situation(("requested", "sdpa"), spent_s=2.0, attention_s=50.0)
+    assert s.allowance_s == decisions.FLOOR_S + 0.5
+    assert decisions.why_not("race", s) is None
+    assert decisions.why_not("spend", s, projected_s=1.0) is None
+    over = decisions.why_not("spend", s, projected_s=2.0)
+    assert "2.00 s more" in over and "3.50 s race budget" in over and "50.0 s" in over
+
+
+def test_the_cache_directory_setting_is_validated(monkeypatch, tmp_path):
+    where = tmp_path / "decisions"
+    assert attnguard.activate(log="none", kernel_cache=str(where)).kernel_cache == str(where)
+    monkeypatch.setenv("ATTNGUARD_KERNEL_CACHE", "relative/dir")
+    with pytest.raises(ValueError) as err:
+        attnguard.activate(log="none")
+    text = str(err.value)
+    assert "ATTNGUARD_KERNEL_CACHE" in text and "'relative/dir'" in text
+    assert "not an absolute path" in text and "an absolute path of a directory" in text
+    monkeypatch.delenv("ATTNGUARD_KERNEL_CACHE")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        attnguard.activate(log="none", kernel_cache=str(tmp_path / "file"))
+
+
+def test_decisions_live_in_the_cache_directory_set(stand_in, tmp_path, monkeypatch):
+    """ATTNGUARD_KERNEL_CACHE (a shared filesystem): the decision one job measured is the next
+    job's (or another node's), under the same file rules; doctor lists it from there."""
+    from attnguard import callguard
+
+    shared = tmp_path / "shared" / "kernels"
+    opts = callguard._selection_options(attnguard.configure(kernel_cache=str(shared)))
+    assert stand_in.serve(opts, causal=True) == "sdpa"
+    (folder,) = shared.iterdir()
+    (record,) = folder.iterdir()
+    assert folder.name == FP[0] and oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert oct(record.stat().st_mode & 0o777) == "0o600"
+    assert not list((tmp_path / "attnguard").glob("kernels/*/*.json"))  # not the default place
+    decisions.reset()  # the next job
+    events.reset_counts()
+    monkeypatch.setattr(decisions, "_race", lambda *a: pytest.fail("raced again"))
+    assert stand_in.serve(opts, causal=True) == "sdpa"
+    assert said(stand_in.events)[-1]["source"] == "disk cache"
+    env = subprocess_env(ATTNGUARD_KERNEL_CACHE=str(shared), XDG_CACHE_HOME=str(tmp_path / "x"))
+    res = subprocess.run(
+        [PY, "-m", "attnguard", "doctor"], env=env, capture_output=True, text=True, timeout=120
+    )
+    listed = res.stdout.split("Kernel decisions cached on this machine", 1)[1]
+    assert f"in {shared}" in listed and "Test GPU: flash_attn_func/bfloat16/128/32/8" in listed
+    assert "-> sdpa (1.50x)" in listed
 
 
 _FORK_PROGRAM = r"""

@@ -120,7 +120,11 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     """The call's bucket — ``(entry, dtype, head_dim, heads, kv_heads, causal, window, lse, grad,
     plain, *shape)`` with shapes rounded up to powers of two — or, as a string, why the switch
     leaves the call to the requested kernel. ``call`` maps the entry's parameter names to the
-    values passed. Plain ints, strings and tuples only: it runs inside torch.compile traces."""
+    values passed. Plain ints, strings and tuples only: it runs inside torch.compile traces.
+
+    Packed rows (``flash_attn_varlen_func``) are bucketed by their total and longest lengths, not
+    by how many sequences they hold: a padding-free training job whose packs change from step to
+    step meets few buckets, and each is raced once."""
     q = call.get("q")
     if entry not in SELECTED_ENTRIES or q is None or not getattr(q, "is_cuda", False):
         return "not a CUDA flash-attention call"
@@ -154,12 +158,11 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     if entry == "flash_attn_varlen_func":
         if call.get("block_table") is not None:
             return "a paged block_table"
-        nseq = int(call["cu_seqlens_q"].shape[0]) - 1
         total = int(q.shape[0])
         mq, mk = _max_len(call.get("max_seqlen_q")), _max_len(call.get("max_seqlen_k"))
         if mq is None or mk is None:
             return "max_seqlen given as a tensor inside a torch.compile trace"
-        shape = ("T", _pow2(total), "N", _pow2(nseq), "maxq", _pow2(mq), "maxk", _pow2(mk))
+        shape = ("T", _pow2(total), "maxq", _pow2(mq), "maxk", _pow2(mk))
         return (*common, False, *shape)
     # flash_attn_with_kvcache
     for name in ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos"):

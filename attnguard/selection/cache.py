@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -40,11 +41,23 @@ class Decision:
     winner: str
     why: dict[str, str] = field(default_factory=dict)
     measured: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cost: dict[str, float] = field(default_factory=dict)  # race_s, warm_up_s of its race
     source: str = "measured"  # measured | this job (store) | disk cache | not measured
     differs: bool = False  # this rank keeps the requested kernel where the job chose another
+    probe_ms: float = 0.0  # one warm run of the requested kernel, when a race was not afforded
 
     def as_json(self) -> dict[str, Any]:
-        return {"winner": self.winner, "why": self.why, "measured": self.measured}
+        out = {"winner": self.winner, "why": self.why, "measured": self.measured}
+        return {**out, "cost": self.cost} if self.cost else out
+
+    def call_ms(self) -> float:
+        """The time one call of the bucket takes on the kernel that serves it, as measured (0:
+        not measured)."""
+        for name in (self.winner, "requested"):
+            ms = self.measured.get(name, {}).get("ms")
+            if isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0:
+                return float(ms)
+        return self.probe_ms
 
 
 class _State:
@@ -135,10 +148,12 @@ def parse(raw: bytes, call: Call, fp: dict[str, Any] | None) -> Decision:
         raise NotADecision(f"unknown winner {str(winner)[:40]!r}")
     why = data.get("why") if isinstance(data.get("why"), dict) else {}
     measured = data.get("measured") if isinstance(data.get("measured"), dict) else {}
+    cost = data.get("cost") if isinstance(data.get("cost"), dict) else {}
     return Decision(
         winner,
         {str(k)[:40]: str(v)[:200] for k, v in why.items()},
         {str(k)[:40]: v for k, v in measured.items() if isinstance(v, dict)},
+        {str(k)[:40]: float(v) for k, v in cost.items() if isinstance(v, (int, float))},
     )
 
 
@@ -277,10 +292,15 @@ def _shown(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {"error": "not a kernel decision"}
     fp, bucket, why = data.get("fingerprint"), data.get("bucket"), data.get("why")
+    cost = data.get("cost") if isinstance(data.get("cost"), dict) else {}
     winner = str(data.get("winner"))[:40]
     return {
         "gpu": str(fp.get("gpu"))[:80] if isinstance(fp, dict) else "?",
         "bucket": "/".join(str(x) for x in bucket)[:300] if isinstance(bucket, list) else "?",
         "winner": winner,
         "why": str(why.get(winner, ""))[:200] if isinstance(why, dict) else "",
+        **{k: v for k, v in cost.items() if k in _COST and isinstance(v, (int, float))},
     }
+
+
+_COST = ("race_s", "warm_up_s")

@@ -14,8 +14,10 @@ For a bucket seen for the first time, :func:`decide` looks in this order:
    posted to the group's store (``compare_set``: the first writer wins; every rank, whatever its
    GPU, reads the same key, and nobody waits for anybody);
 2. this machine's disk cache (:mod:`attnguard.selection.cache`);
-3. a race on the call's own inputs (:mod:`attnguard.selection.race`), at most :data:`BUDGET_S`
-   seconds per process in total (a race that would overrun it is not started);
+3. a race on the call's own inputs (:mod:`attnguard.selection.race`), within this process's race
+   budget: :data:`FLOOR_S` seconds plus :data:`SHARE` of the time its selected calls spent in
+   attention so far (the probe and timed rounds count; each candidate's warm-up, which also pays
+   a kernel's cold start, is said but not counted); a race that would overrun it is not started;
 4. with a process group up, what this rank decided — a winner, or "the requested kernel" when it
    may not race — is posted, and the first posted decision is everybody's.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,11 @@ from . import buckets, cache, race
 from .buckets import REQUESTED, Call
 from .cache import Decision
 
-BUDGET_S = 2.0
+# A process's races may take FLOOR_S seconds, plus SHARE of the time its calls of decided
+# buckets spent in attention so far (each bucket's calls x the time per call measured for the
+# kernel that serves it): a long job may race a new shape late in its run.
+FLOOR_S = 3.0
+SHARE = 0.01
 _DETERMINISTIC = "torch.use_deterministic_algorithms(True) is on"
 
 
@@ -46,6 +51,7 @@ class Options:
 
     apply: bool = True  # fix mode: a decision serves calls; warn / strict: said, not applied
     version: str = ""  # attnguard's version: part of the fingerprint of a measured decision
+    cache_dir: str = ""  # ATTNGUARD_KERNEL_CACHE ("": $XDG_CACHE_HOME/attnguard/kernels)
 
 
 @dataclass(frozen=True)
@@ -58,9 +64,25 @@ class Situation:
     one_node: bool = False  # every rank of the job runs on this node: they read one disk
     deterministic: bool = False  # torch.use_deterministic_algorithms(True)
     capturing: bool = False  # a CUDA graph is being captured
+    spent_s: float = 0.0  # what this process's races took so far (probes and timed rounds)
+    attention_s: float = 0.0  # what its calls of decided buckets spent in attention so far
+
+    @property
+    def allowance_s(self) -> float:
+        """What this process's races may take in all, now."""
+        return FLOOR_S + SHARE * self.attention_s
+
+    def budget(self) -> str:
+        return (
+            f"{self.spent_s:.2f} s of this process's {self.allowance_s:.2f} s race budget "
+            f"({FLOOR_S:g} s + {SHARE:.0%} of the {self.attention_s:.1f} s its selected calls "
+            "spent in attention so far)"
+        )
 
 
-def why_not(step: str, s: Situation, found: Decision | None = None) -> str | None:
+def why_not(
+    step: str, s: Situation, found: Decision | None = None, projected_s: float = 0.0
+) -> str | None:
     """The rules of the decisions, in one place: why this rank may not take ``step`` for a new
     bucket now (None: it may). :func:`decide` asks in this order:
 
@@ -75,7 +97,9 @@ def why_not(step: str, s: Situation, found: Decision | None = None) -> str | Non
       when every rank is on this node (the same file for all of them).
     * ``"race"``: not in deterministic mode (no candidate is vouched deterministic), not with
       several ranks and no process group (winners could differ per rank), not once this
-      process's race budget is spent.
+      process's race budget is spent;
+    * ``"spend"`` ``projected_s`` more on the race (projected from a warm run of the requested
+      kernel): only within the race budget left.
     """
     if step == "decide":
         if s.capturing:
@@ -102,8 +126,12 @@ def why_not(step: str, s: Situation, found: Decision | None = None) -> str | Non
             return f"{_DETERMINISTIC} (no candidate is vouched deterministic)"
         if s.ranks > 1 and not s.group:
             return "several ranks and no process group up to agree through: no race"
-        if _state.spent_s >= BUDGET_S:
-            return f"this process's {BUDGET_S:g} s race budget is spent"
+        if s.spent_s >= s.allowance_s:
+            return f"the race budget is spent: {s.budget()}"
+        return None
+    if step == "spend":
+        if s.spent_s + projected_s > s.allowance_s:
+            return f"this race would take about {projected_s:.2f} s more, over {s.budget()}"
         return None
     raise ValueError(f"unknown step {step!r}")
 
@@ -114,7 +142,10 @@ class _State:
         self.made: dict[tuple[Any, ...], Decision] = {}
         self.said: dict[tuple[Any, ...], bool] = {}  # bucket -> applied, as last said
         self.impls: dict[tuple[str, str], Any] = {}
-        self.spent_s = 0.0
+        self.calls: dict[tuple[Any, ...], int] = {}  # decided bucket -> eager calls served
+        self.call_ms: dict[tuple[Any, ...], float] = {}  # decided bucket -> ms per call
+        self.spent_s = 0.0  # races: probes and timed rounds
+        self.warm_up_s = 0.0  # races: warm-ups (said, not counted against the budget)
         self.forked = False  # a forked child: the parent's process group is not its own
 
 
@@ -162,7 +193,15 @@ def situation(entry: Any, args: tuple, kwargs: dict, call: Call) -> Situation:
         one_node=os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(ranks),
         deterministic=torch.are_deterministic_algorithms_enabled(),
         capturing=capturing,
+        spent_s=_state.spent_s,
+        attention_s=_attention_s(),
     )
+
+
+def _attention_s() -> float:
+    """What this process's eager calls of decided buckets spent in attention so far, estimated:
+    each bucket's calls x the time per call measured for the kernel that serves it."""
+    return sum(n * _state.call_ms.get(b, 0.0) for b, n in list(_state.calls.items())) / 1e3
 
 
 def _kept(why: str, source: str = "not measured", differs: bool = False) -> Decision:
@@ -170,17 +209,28 @@ def _kept(why: str, source: str = "not measured", differs: bool = False) -> Deci
 
 
 def _race(entry: Any, args: tuple, kwargs: dict, call: Call, s: Situation) -> Decision:
+    """Race the call's candidates (when the budget allows what the probe projects)."""
     impls = race.implementations(entry.name, entry.original, entry.params, list(s.candidates))
-    t0 = time.perf_counter()
+    run = race.Race(impls, entry.params, args, kwargs, call)
     try:
-        left = BUDGET_S - _state.spent_s
-        measured = race.measure(impls, entry.params, args, kwargs, call, budget_s=left)
-    except race.OverBudget as exc:
-        return _kept(f"{exc}, over the {left:.1f} s left of this process's race budget")
+        try:
+            probe_ms = run.probe() * 1e3
+        except Exception as exc:
+            return _kept(f"the requested kernel could not be timed: {race.error_text(exc)}")
+        over = why_not("spend", s, projected_s=run.projected_s())
+        if over is not None:
+            kept = _kept(over)
+            kept.probe_ms = probe_ms
+            return kept
+        measured = run.run()
     finally:
-        _state.spent_s += time.perf_counter() - t0
+        _state.spent_s += run.timed_s
+        _state.warm_up_s += run.warm_up_s
     verdict = race.pick(measured, call.dtype)
-    return Decision(verdict.winner, verdict.why, {n: _jsonable(m) for n, m in measured.items()})
+    cost = {"race_s": round(run.timed_s, 4), "warm_up_s": round(run.warm_up_s, 4)}
+    return Decision(
+        verdict.winner, verdict.why, {n: _jsonable(m) for n, m in measured.items()}, cost
+    )
 
 
 def _jsonable(m: race.Measured) -> dict[str, Any]:
@@ -233,7 +283,7 @@ def decide(entry: Any, args: tuple, kwargs: dict, call: Call, opts: Options) -> 
         if raw is not None:
             return _posted(raw, call, s)
     fp = cache.fingerprint(opts.version)
-    disk = cache.Disk(cache.cache_root(), fp)
+    disk = cache.Disk(opts.cache_dir or cache.cache_root(), fp)
     decision = None
     if why_not("read disk", s) is None:
         found = disk.read(call)
@@ -284,6 +334,7 @@ def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
         "candidates": decision.measured,
         "why": decision.why,
         "bucket": [str(x) for x in call.bucket[1:]],
+        "cost": _cost(decision),
     }
     if changed:
         fields["applied"] = apply
@@ -308,6 +359,19 @@ def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
     )
 
 
+def _cost(decision: Decision) -> dict[str, float]:
+    """What races cost: this decision's own race (when this process ran it) and this process's
+    races so far against what they may take."""
+    out = dict(decision.cost) if decision.source == "measured" else {}
+    s = Situation((), spent_s=_state.spent_s, attention_s=_attention_s())
+    out.update(
+        process_races_s=round(_state.spent_s, 4),
+        process_warm_ups_s=round(_state.warm_up_s, 4),
+        process_allowance_s=round(s.allowance_s, 4),
+    )
+    return out
+
+
 def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     """The candidate that computes this call (a callable with the entry's signature), or None
     for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`)."""
@@ -327,10 +391,13 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
                 decision = decide(entry, args, kwargs, call, opts)
                 if decision is None:
                     return None
+                _state.call_ms[call.bucket] = decision.call_ms()
                 _state.made[call.bucket] = decision
             if _state.said.get(call.bucket) != opts.apply:
                 _state.said[call.bucket] = opts.apply
                 _say(entry, call, decision, opts.apply)
+    if not events.is_compiling():  # what the budget grows with (a traced graph's calls: not)
+        _state.calls[key] = _state.calls.get(key, 0) + 1
     if decision.winner == REQUESTED or not opts.apply:
         return None
     impl = _state.impls.get((entry.name, decision.winner))

@@ -2,11 +2,14 @@
 and :func:`pick`, the winner from what was measured.
 
 Every candidate takes the call exactly as the caller made it (flash-attn's arguments) and returns
-what flash-attn returns. The race runs each on the call's own tensors (copies of the KV caches,
-which a call writes in place; detached copies of q/k/v when they need gradients), warms each up
-once, then times ``REPS`` interleaved rounds (wall clock with the GPU synchronised: for small
-calls the host's launch cost is part of what a step pays) and compares outputs, and gradients
-for a backward pass with one fixed random gradient, with the requested kernel's.
+what flash-attn returns. A :class:`Race` runs each on the call's own tensors (copies of the KV
+caches, which a call writes in place; detached copies of q/k/v when they need gradients): the
+requested kernel first (a warm-up and one timed run, the probe the race's cost is projected
+from), then every other candidate's warm-up, whose outputs, and gradients for a backward pass
+with one fixed random gradient, are compared with the requested kernel's at once; then ``REPS``
+interleaved timed rounds (wall clock with the GPU synchronised: for small calls the host's
+launch cost is part of what a step pays). Warm-ups are outside the timing: a process's first
+call of a kernel also pays its start-up (a cold cuDNN call can take a second).
 
 :func:`pick`: the fastest candidate whose outputs (and gradients) are within the dtype's rounding
 of the requested kernel's (:data:`~attnguard.selection.buckets.TOLERANCE`), and at least
@@ -223,90 +226,125 @@ def _stepper(impl: Impl, a: tuple, k: dict, leaves: list[Tensor], grad_out: Tens
     return step
 
 
-class OverBudget(Exception):
-    """The race would take longer than the time left for races in this process."""
+def _now() -> float:
+    """A time stamp after the GPU finished what was queued (a race's timings are wall clock)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
-def measure(
-    impls: dict[str, Impl],
-    params: tuple[str, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    call: Call,
-    budget_s: float = float("inf"),
-) -> dict[str, Measured]:
-    """Run every candidate on the call's inputs: results compared with the requested kernel's,
-    times interleaved over :data:`REPS` rounds. A candidate that raises is disqualified.
-    :class:`OverBudget` when the requested kernel's first run, times every run the race would
-    make, exceeds ``budget_s`` (nothing else has run then)."""
-    with warnings.catch_warnings():
-        # a candidate's refusal ("Flash attention kernel not used because ...") is measured,
-        # not printed: the program's stderr stays as it was
-        warnings.simplefilter("ignore")
-        return _measure(impls, params, args, kwargs, call, budget_s)
+def error_text(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
-def _measure(
-    impls: dict[str, Impl],
-    params: tuple[str, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    call: Call,
-    budget_s: float,
-) -> dict[str, Measured]:
-    inputs = _Inputs(params, args, kwargs, call)
-    grad_out: Tensor | None = None
-    if call.grad:  # one fixed random gradient of the output, the same for every candidate
-        with torch.no_grad():
-            probe = _first(impls[REQUESTED](*inputs.fresh()[:2]))
-        g = torch.Generator(device=probe.device).manual_seed(0)
-        grad_out = torch.randn(probe.shape, generator=g, device=probe.device).to(probe.dtype)
-    steps: dict[str, Callable[[], Any]] = {}
-    results: dict[str, tuple[Tensor, list[Tensor] | None]] = {}
-    errors: dict[str, str] = {}
-    for name, impl in impls.items():
-        a, k, leaves = inputs.fresh()
-        step = _stepper(impl, a, k, leaves, grad_out)
-        try:
-            out, grads = step()  # also the warm-up
-        except Exception as exc:  # a candidate that cannot take the call loses
-            errors[name] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-            continue
-        if name == REQUESTED:
-            # the cost of the race, projected from one warm run of the requested kernel (the
-            # first run of a process also pays CUDA's and the kernel's own start-up)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+class Race:
+    """One race on one call's own inputs, in two steps so that its cost can be judged before most
+    of it is spent: :meth:`probe` runs the requested kernel (a warm-up, then one timed run, from
+    which :meth:`projected_s` projects the timed rounds); :meth:`run` runs the rest — each other
+    candidate's warm-up (its outputs, and gradients when the call trains, compared with the
+    requested kernel's right away), then :data:`REPS` interleaved timed rounds. A candidate that
+    raises loses. ``warm_up_s`` (every candidate's first run on these inputs: a process's first
+    run of a kernel also pays its start-up) and ``timed_s`` (the probe and the timed rounds) say
+    what the race took."""
+
+    def __init__(
+        self,
+        impls: dict[str, Impl],
+        params: tuple[str, ...],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        call: Call,
+    ) -> None:
+        self.impls = impls
+        self.call = call
+        self.inputs = _Inputs(params, args, kwargs, call)
+        self.grad_out: Tensor | None = None
+        self.steps: dict[str, Callable[[], Any]] = {}
+        self.errors: dict[str, str] = {}
+        self.diffs: dict[str, tuple[float, float | None]] = {REQUESTED: (0.0, None)}
+        self.ref: tuple[Tensor, list[Tensor] | None] | None = None
+        self.warm_up_s = 0.0
+        self.timed_s = 0.0
+        self.probe_s = math.inf
+
+    def probe(self) -> float:
+        """Seconds of one warm run of the requested kernel. Raises what the kernel raises."""
+        with warnings.catch_warnings():
+            # a candidate's refusal ("Flash attention kernel not used because ...") is
+            # measured, not printed: the program's stderr stays as it was
+            warnings.simplefilter("ignore")
+            t0 = _now()
+            requested = self.impls[REQUESTED]
+            if self.call.grad:  # one fixed random gradient of the output, the same for all
+                with torch.no_grad():
+                    out = _first(requested(*self.inputs.fresh()[:2]))
+                g = torch.Generator(device=out.device).manual_seed(0)
+                self.grad_out = torch.randn(out.shape, generator=g, device=out.device)
+                self.grad_out = self.grad_out.to(out.dtype)
+            a, k, leaves = self.inputs.fresh()
+            step = _stepper(requested, a, k, leaves, self.grad_out)
+            out, grads = step()
+            t1 = _now()
             step()
-            torch.cuda.synchronize()
-            projected = (time.perf_counter() - t0) * len(impls) * (1 + REPS)
-            if projected > budget_s:
-                raise OverBudget(f"this race would take about {projected:.1f} s")
-        results[name] = (_first(out), list(grads) if grads is not None else None)
-        steps[name] = step
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for rep in range(REPS if order else 0):
-        for name in order[rep % len(order) :] + order[: rep % len(order)]:
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            steps[name]()
-            torch.cuda.synchronize()
-            times[name].append((time.perf_counter() - t) * 1e3)
-    out: dict[str, Measured] = {}
-    ref = results.get(REQUESTED)
-    for name in impls:
-        if name in errors:
-            out[name] = Measured(error=errors[name])
-            continue
-        got, grads = results[name]
-        ms = statistics.median(times[name])
-        if ref is None:
-            out[name] = Measured(ms=ms, rounds=tuple(times[name]))
-            continue
-        out_diff = _rel_diff(got, ref[0]) if got.shape == ref[0].shape else math.inf
+            t2 = _now()
+        self.warm_up_s += t1 - t0
+        self.probe_s = t2 - t1
+        self.timed_s += self.probe_s
+        self.ref = (_first(out).detach(), [g.detach() for g in grads] if grads else None)
+        self.steps[REQUESTED] = step
+        return self.probe_s
+
+    def projected_s(self) -> float:
+        """What the timed rounds still to run should take (the warm-ups are not projected)."""
+        return self.probe_s * REPS * len(self.impls)
+
+    def run(self) -> dict[str, Measured]:
+        """Every candidate measured (after :meth:`probe`)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, impl in self.impls.items():
+                if name != REQUESTED:
+                    self._warm_up(name, impl)
+            times = self._rounds()
+        out: dict[str, Measured] = {}
+        for name in self.impls:
+            if name in self.errors:
+                out[name] = Measured(error=self.errors[name])
+            else:
+                out_diff, grad_diff = self.diffs[name]
+                rounds = tuple(times[name])
+                out[name] = Measured(statistics.median(rounds), out_diff, grad_diff, rounds=rounds)
+        return out
+
+    def _warm_up(self, name: str, impl: Impl) -> None:
+        a, k, leaves = self.inputs.fresh()
+        step = _stepper(impl, a, k, leaves, self.grad_out)
+        t0 = _now()
+        try:
+            out, grads = step()
+        except Exception as exc:  # a candidate that cannot take the call loses
+            self.errors[name] = error_text(exc)
+            return
+        finally:
+            self.warm_up_s += _now() - t0
+        assert self.ref is not None
+        ref_out, ref_grads = self.ref
+        got = _first(out)
+        out_diff = _rel_diff(got, ref_out) if got.shape == ref_out.shape else math.inf
         grad_diff = None
-        if grads is not None and ref[1] is not None:
-            grad_diff = max(_rel_diff(a, b) for a, b in zip(grads, ref[1], strict=True))
-        out[name] = Measured(ms, out_diff, grad_diff, rounds=tuple(times[name]))
-    return out
+        if grads is not None and ref_grads is not None:
+            grad_diff = max(_rel_diff(x, y) for x, y in zip(grads, ref_grads, strict=True))
+        self.diffs[name] = (out_diff, grad_diff)  # the outputs themselves are not kept
+        self.steps[name] = step
+
+    def _rounds(self) -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {name: [] for name in self.steps}
+        order = list(self.steps)
+        for rep in range(REPS):
+            for name in order[rep % len(order) :] + order[: rep % len(order)]:
+                t = _now()
+                self.steps[name]()
+                elapsed = _now() - t
+                times[name].append(elapsed * 1e3)
+                self.timed_s += elapsed
+        return times
