@@ -31,8 +31,9 @@ pytestmark = [
 import gpuenv  # noqa: E402
 
 import attnguard  # noqa: E402
-from attnguard import decisions, events  # noqa: E402
-from attnguard.selection import TOLERANCE  # noqa: E402
+from attnguard import events  # noqa: E402
+from attnguard.selection import decisions  # noqa: E402
+from attnguard.selection.buckets import TOLERANCE  # noqa: E402
 
 BF16 = torch.bfloat16
 CUDA = "cuda"
@@ -173,6 +174,7 @@ def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
 
 _SEQUENCE = r"""
 import json, torch
+import attnguard  # ATTNGUARD=1: on, from the environment (start-up hook installed or not)
 from attnguard import events
 from flash_attn import flash_attn_func
 g = torch.Generator(device="cuda").manual_seed(0)
