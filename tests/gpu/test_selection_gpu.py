@@ -151,23 +151,26 @@ print("RESULT " + json.dumps({"source": ev[0]["source"], "selected": ev[0]["sele
 """
 
 
-def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
+def _fastest_process(program: str, cache: object) -> object:
+    """Run ``program`` in a fresh process with the switch on and the cache directory ``cache``;
+    returns what it printed after ``RESULT ``."""
     gpuenv.require()
     env = gpuenv.child_env(
         real=True,
         ATTNGUARD="1",
         ATTNGUARD_LOG="none",
         ATTNGUARD_KERNEL="fastest",
-        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        XDG_CACHE_HOME=str(cache),
     )
-    got = []
-    for _ in range(2):
-        res = subprocess.run(
-            [sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
-        got.append(json.loads(line[7:]))
+    res = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
+    got = [_fastest_process(_PROGRAM, tmp_path / "cache") for _ in range(2)]
     assert got[0]["source"] == "measured" and got[1]["source"] == "disk cache"
     assert got[0]["selected"] == got[1]["selected"]
 
@@ -203,19 +206,7 @@ def test_a_first_process_races_every_bucket_of_a_job_whose_shapes_change(tmp_pat
     calls) in a fresh process with an empty cache. Every bucket is raced — none ``not_raced``:
     the first cuDNN call's cold start is a warm-up, outside the race budget — and each event
     says what its race cost."""
-    gpuenv.require()
-    env = gpuenv.child_env(
-        real=True,
-        ATTNGUARD="1",
-        ATTNGUARD_LOG="none",
-        ATTNGUARD_KERNEL="fastest",
-        XDG_CACHE_HOME=str(tmp_path / "cache"),
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", _SEQUENCE], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    got = _fastest_process(_SEQUENCE, tmp_path / "cache")
     for e in got:
         print(f"{'/'.join(e['bucket'][-6:])} grad={e['bucket'][7]}: {e['selected']} {e['cost']}")
     assert len(got) == 6, got
