@@ -28,6 +28,7 @@ class Settings:
     fallback: tuple[str, ...] = ("sdpa", "eager")
     fp32_policy: str = "cast"
     kernel: str = "requested"
+    kernel_cache: str = ""  # "": $XDG_CACHE_HOME/attnguard/kernels
 
     @property
     def fastest(self) -> bool:

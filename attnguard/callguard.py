@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from . import events, routing, runtime
+from .config import Settings
 from .dtypes import HALF_DTYPES, cast_out, choose_dtype, half_dtype_for, module_dtype, name
 from .errors import AttnGuardError
 from .patching import OriginalCall, make_picklable
@@ -48,7 +49,7 @@ from .routing import (
     XFORMERS,
     classify_kernel_error,
 )
-from .selection import SELECTED_ENTRIES
+from .selection.buckets import SELECTED_ENTRIES
 
 __all__ = [
     "KNOWN_KERNEL_ERRORS",
@@ -335,8 +336,8 @@ def _closure(
             if bad:
                 site = entry.site or _registry_site(entry.name, args)
                 return _fail_open(site, original, slow, args, kwargs)
-            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.decisions
-                faster = _faster_kernel(entry, args, kwargs)
+            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
+                faster = _faster_kernel(entry, settings, args, kwargs)
                 if faster is not None:
                     return _on_faster_kernel(entry, faster, args, kwargs)
         try:
@@ -382,18 +383,42 @@ def _stepped_aside(entry: Entry, args: tuple[Any, ...]) -> None:
         report_internal_error(f"transformers.{entry.name}", exc)
 
 
-def _faster_kernel(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _faster_kernel(
+    entry: Entry, settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
     try:
-        from .decisions import serve
+        from .selection.decisions import serve
 
-        return serve(entry, args, kwargs)
+        return serve(entry, args, kwargs, _selection_options(settings))
     except Exception as exc:
         if not events.is_compiling():
             from .patching import report_internal_error
 
             report_internal_error(f"{entry.site}.select", exc)
         return None
+
+
+_options: tuple[Settings, Any] | None = None  # the settings in force and their Options
+
+
+def _selection_options(settings: Settings) -> Any:
+    """What the selection needs of the settings in force (made once per settings object)."""
+    global _options
+    made = _options
+    if made is None or made[0] is not settings:
+        from . import __version__
+        from .selection.decisions import Options
+
+        made = _options = (
+            settings,
+            Options(
+                apply=settings.changes_things,
+                version=__version__,
+                cache_dir=settings.kernel_cache,
+            ),
+        )
+    return made[1]
 
 
 def _on_faster_kernel(

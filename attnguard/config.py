@@ -33,8 +33,12 @@ DTYPES = ("auto", "bf16", "fp16")
 FP32_POLICIES = ("cast", "fallback")
 # ATTNGUARD_KERNEL: "requested" computes every call with the kernel the caller asked for (unless
 # it cannot run); "fastest" (opt-in) serves flash-attention calls with the fastest kernel that
-# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.race).
+# computes the same numbers within the dtype's rounding, measured on this GPU (attnguard.selection).
 KERNEL_CHOICES = ("requested", "fastest")
+KERNEL_CACHE_HELP = (
+    "an absolute path of a directory for the kernel decisions (one on a shared filesystem lets "
+    "other nodes and later jobs reuse them), or empty for $XDG_CACHE_HOME/attnguard/kernels"
+)
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
 # always available; flash kernels are never a fallback target (they are what failed).
 FALLBACK_BACKENDS = ("sdpa", "eager", "flex_attention")
@@ -223,6 +227,27 @@ def _validate_log(var: str, value: str, environ: Mapping[str, str]) -> str:
     return ",".join(seen)
 
 
+def _kernel_cache(var: str, value: Any) -> str:
+    """A directory for the kernel decisions: absolute (``~`` expanded), not a file. Nothing is
+    created here; the cache makes it, under its own rules, at the first decision."""
+    text = str(value).strip()
+    if not text:
+        return ""
+    from .safefiles import path_problem
+
+    path = os.path.expanduser(text)
+    why = path_problem(path)
+    if why is None and not os.path.isabs(path):
+        why = "not an absolute path"
+    if why is None and os.path.exists(path) and not os.path.isdir(path):
+        why = f"{shown(path, quote=False)} is not a directory"
+    if why is not None:
+        raise ValueError(
+            f"attnguard: invalid {var}={shown(value)} ({why}); valid values: {KERNEL_CACHE_HELP}"
+        )
+    return os.path.normpath(path)
+
+
 def _ranks(var: str, value: Any) -> tuple[int, ...] | None:
     valid = "all | a comma list of ranks, e.g. 0 or 0,8"
     if isinstance(value, str):
@@ -255,6 +280,7 @@ _ENV = {
     "ATTNGUARD_FALLBACK": "fallback",
     "ATTNGUARD_FP32_POLICY": "fp32_policy",
     "ATTNGUARD_KERNEL": "kernel",
+    "ATTNGUARD_KERNEL_CACHE": "kernel_cache",
 }
 _VAR_OF = {f: v for v, f in _ENV.items()}
 
@@ -286,6 +312,8 @@ def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> An
         return _choice(var, str(value), FP32_POLICIES)
     if fld == "kernel":
         return _choice(var, str(value), KERNEL_CHOICES)
+    if fld == "kernel_cache":
+        return _kernel_cache(var, value)
     raise AssertionError(fld)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from . import facts as facts_mod
 from .config import Settings, load
+from .eventfiles import printable
 from .patches import transformers_kernels
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
@@ -40,6 +41,7 @@ def collect() -> dict[str, Any]:
         "sample_request": "flash_attention_2 + float32 + no device_map",
         "sample_plan": plan.as_dict(),
         "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
+        "kernel_cache": _kernel_cache(),
         "kernel_decisions": _kernel_decisions(),
     }
 
@@ -50,11 +52,18 @@ def _twin_table() -> Any:
     return TWIN_TABLE
 
 
+def _kernel_cache() -> str:
+    """Where ATTNGUARD_KERNEL=fastest keeps its decisions with the settings in force."""
+    from .selection.cache import cache_root
+
+    return _settings().kernel_cache or cache_root()
+
+
 def _kernel_decisions() -> list[dict[str, Any]]:
     """Decisions ATTNGUARD_KERNEL=fastest measured and cached on this machine."""
-    from .decisions import cached
+    from .selection.cache import listing
 
-    return cached()
+    return listing(_kernel_cache())
 
 
 def _sample_request(flash_path: dict[str, Any]) -> Any:
@@ -169,14 +178,19 @@ def render(as_json: bool = False) -> str:
         [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],
     )
     lines += ["", "Kernel decisions cached on this machine (ATTNGUARD_KERNEL=fastest)"]
+    lines.append(f"  in {printable(_kernel_cache())}")
     cached = data["kernel_decisions"]
     if not cached:
         lines.append("  none")
-    for d in cached:
+    for d in cached:  # what the files hold is shown as text: no terminal escape gets through
         if "error" in d:
-            lines.append(f"  {d['file']}: unreadable ({d['error']})")
+            lines.append(f"  {printable(d['file'])}: not used ({printable(d['error'])})")
             continue
-        gpu = (d.get("fingerprint") or {}).get("gpu", "?")
-        bucket = "/".join(str(x) for x in (d.get("bucket") or []))
-        lines.append(f"  {gpu}: {bucket} -> {d.get('winner')} ({d.get('why')})")
+        shown = {k: printable(d[k]) for k in ("gpu", "bucket", "winner", "why")}
+        spent = ""
+        if "race_s" in d:
+            spent = f"; raced in {d['race_s']:.2f} s + {d.get('warm_up_s', 0.0):.2f} s warm-up"
+        lines.append(
+            f"  {shown['gpu']}: {shown['bucket']} -> {shown['winner']} ({shown['why']}{spent})"
+        )
     return "\n".join(lines)

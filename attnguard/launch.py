@@ -98,6 +98,8 @@ def launcher_id() -> str:
             parent = int(fields[1])  # a wrapper of this rank: its parent launched it
         _launcher = (pid, f"{socket.gethostname()}:{parent}:{started}")
     return _launcher[1]
+
+
 # Set by a guarded process for its children: "<pid>:<launch identity>". A child that finds another
 # pid with its own launch identity (same RANK, same launch) is a helper of that process
 # (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity

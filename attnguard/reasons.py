@@ -313,7 +313,7 @@ _TABLE: tuple[Reason, ...] = (
         "the kernel was not built for this GPU",
         "the kernel was not built for this GPU: reinstall it for this GPU",
     ),
-    # --- opt-in kernel selection (ATTNGUARD_KERNEL=fastest; attnguard.decisions) ---------------
+    # --- opt-in kernel selection (ATTNGUARD_KERNEL=fastest; attnguard.selection) ---------------
     Reason(
         "faster_kernel",
         ("kernel_selected",),
@@ -331,7 +331,8 @@ _TABLE: tuple[Reason, ...] = (
     Reason(
         "not_raced",
         ("kernel_selected",),
-        "no race was run for this call (its budget spent, or the ranks could not agree): the "
+        "no race was run for this bucket (this process's race budget spent, deterministic mode, "
+        "several ranks and no process group, or the job's posted decision not usable here): the "
         "requested kernel stays",
         "nothing to change: the requested kernel computes these calls",
     ),
@@ -339,7 +340,7 @@ _TABLE: tuple[Reason, ...] = (
         "kernel_cache_ignored",
         ("observed",),
         "a kernel decision on disk was ignored (corrupt, another GPU or version, another "
-        "user's, unreadable): it is measured again",
+        "user's, unreadable, or not a candidate for the call): it is measured again",
         "",
     ),
 )

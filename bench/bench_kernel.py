@@ -1,32 +1,46 @@
-"""GPU benchmark: ``ATTNGUARD_KERNEL=fastest`` on vs off, in ONE process, real flash-attn installed.
+"""GPU benchmark: ``ATTNGUARD_KERNEL=fastest`` on vs off, real flash-attn installed and working.
 
-A model loaded with ``attn_implementation="flash_attention_2"`` (bf16, on the GPU, the real
-flash-attn 2.8.3 working) is timed with the switch off (every call on flash-attn: what the user
-asked for) and on (each call bucket served by the fastest kernel that computes the same numbers,
-measured on this GPU at its first call), alternating rounds so drift hits both alike:
+Two measurements (``--parts``; the default runs both in about 250 s on an H200):
 
-* training step (forward, backward, AdamW) and prefill (one forward, no cache, last token's
-  logits) of a Qwen2-0.5B-shaped model (24 layers, head_dim 64) at 4 x 4096, 1 x 16384 and
-  1 x 32768 tokens;
-* a padding-free training step on one packed row of 64 sequences of 64-512 tokens;
-* a decode step (batch 4, context 2048);
-* a 7B-shaped model (Qwen2-7B: head_dim 128, 28 heads / 4 kv heads) at 1 x 16384: prefill with
-  all 28 layers, training step with 8 of them (the whole model's optimizer state does not fit).
+* ``fresh`` — what a job gets from its FIRST process on a fresh machine (issue 30), measured
+  the way issue 30 measured it: separate processes, each a job of its own on a
+  Qwen2-0.5B-shaped model (24 layers, head_dim 64, bf16, ``attn_implementation=
+  "flash_attention_2"``, on the GPU). "off" imports no attnguard at all; "on" runs with
+  ``ATTNGUARD_KERNEL=fastest`` and an empty decision cache of its own (``ATTNGUARD_KERNEL_CACHE``
+  = a fresh directory); "on again" is a second process on that cache (its decisions read from
+  disk). Every process runs the shape sequence 4 x 4096 -> 1 x 16384 -> 1 x 32768 (at each shape
+  training steps, then prefill: warm-up steps, which include the races of "on", then timed
+  steps), then padding-free training steps on one packed row whose sequences, and total length,
+  change every step. Rounds alternate the order (round 1 starts with "on", so that on a freshly
+  lent machine the guarded process is the machine's first). Ratio = off / on time of the same
+  round (>= 1: faster with the switch on), median over rounds [min, max]. The first "on"
+  process's ``kernel_selected`` events are listed: what each bucket was decided, from where,
+  and what its race cost against the process's race budget.
+* ``dense``, ``packed``, ``decode``, ``7b`` — ONE process, a model loaded with
+  ``attn_implementation="flash_attention_2"``, timed with the switch off (every call on
+  flash-attn) and on (each call bucket served by the race's winner), alternating rounds so drift
+  hits both alike: training step (forward, backward, AdamW) and prefill (one forward, no cache,
+  last token's logits) at 4 x 4096, 1 x 16384 and 1 x 32768; a padding-free training step on one
+  packed row of 64 sequences of 64-512 tokens; a decode step (batch 4, context 2048); a
+  7B-shaped model (Qwen2-7B: head_dim 128, 28 heads / 4 kv heads) at 1 x 16384 (``7b``, not in
+  the default: prefill with all 28 layers, training step with 8 of them). Each row starts with
+  no decision and a fresh race budget; the races are paid in the first "on" warm-up.
 
-Ratio = time off / time on (>= 1: the switch made it faster), median of per-round ratios
-[min, max]. Each row starts with no decision (as a job of that shape would): the race's own
-cost is paid in the first "on" round's warm-up; the ``kernel_selected`` events printed at the
-end say which kernel won each bucket, and the candidates' times.
-
-    python bench/bench_kernel.py [--rounds 3] [--iters 3] [--parts ...]
+    python bench/bench_kernel.py [--parts fresh,dense,packed,decode] [--fresh-rounds 2]
+                                 [--rounds 3] [--iters 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_twins import ab, gpu_ms, lengths, packed_row, qwen2_05b, row  # noqa: E402
 
-PARTS = ("dense", "packed", "decode", "7b")
+PARTS = ("fresh", "dense", "packed", "decode", "7b")
+DEFAULT_PARTS = "fresh,dense,packed,decode"
 
 
 def qwen2_7b(layers: int) -> Any:
@@ -110,22 +125,184 @@ def prefill(model: Any, ids: Any) -> Callable[[], Any]:
     return run
 
 
+def _one_warm_up(fn: Callable[[], Any], iters: int) -> float:
+    return gpu_ms(fn, iters, warmup=1)  # one: the default parts fit in about 250 s
+
+
 def measure(
     name: str, make: Callable[[], Callable[[], Any]], args: argparse.Namespace
 ) -> list[str]:
     import torch
 
-    from attnguard import decisions
+    from attnguard.selection import decisions
 
-    decisions.reset()  # each row decides afresh, as a job of that shape would (2 s budget each)
+    decisions.reset()  # each row decides afresh, as a job of that shape would (its own budget)
     try:
         off, on = modes(make)
-        res = ab(off, on, args.rounds, args.iters, timer=gpu_ms)
+        res = ab(off, on, args.rounds, args.iters, timer=_one_warm_up)
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return [f"| {name} | out of memory on this GPU | | |"]
     # ab() calls the first argument "real": here that is the switch off
     return [row(name, res)]
+
+
+# --- fresh: separate processes, an empty decision cache (issue 30) -------------------------------
+
+FRESH_SHAPES = ((4, 4096), (1, 16384), (1, 32768))
+FRESH_WARM, FRESH_TIMED = 2, 3  # steps per shape: warm-up (the races of "on"), then timed
+# sequences per packed row, step by step: the first two (warm-up) fall on both sides of 16384
+# tokens, so both total-length buckets are decided before the timed steps
+FRESH_PACKS = (52, 70, 58, 62, 66, 74)
+FRESH_PACKS_WARM = 2
+
+
+def _step_ms(fn: Callable[[], Any]) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _steps(fn: Callable[[], Any], warm: int, timed: int) -> list[float]:
+    for _ in range(warm):
+        _step_ms(fn)
+    return [_step_ms(fn) for _ in range(timed)]
+
+
+def child(mode: str, cache_dir: str) -> int:
+    """One process of the ``fresh`` part: the shape sequence, then the packed rows; prints one
+    ``CHILD {...}`` line."""
+    t0 = time.perf_counter()
+    seen: list[dict[str, Any]] = []
+    capture: Any = contextlib.nullcontext(seen)
+    if mode == "on":
+        import attnguard
+        from attnguard import events
+
+        attnguard.activate(log="none", kernel="fastest", kernel_cache=cache_dir)
+        capture = events.capture()
+    import torch
+
+    model = build(qwen2_05b(24))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the weights stay put
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows: dict[str, list[float] | None] = {}
+
+    def row_of(name: str, fn: Callable[[], Any], warm: int, timed: int) -> None:
+        try:
+            rows[name] = _steps(fn, warm, timed)
+        except torch.OutOfMemoryError:
+            rows[name] = None
+        torch.cuda.empty_cache()
+
+    with capture as seen:
+        for b, s in FRESH_SHAPES:
+            ids = torch.randint(3, 150000, (b, s), device="cuda", generator=g)
+            batch = {"input_ids": ids, "labels": ids}
+            model.train()
+            row_of(
+                f"training step {b} x {s}", train_step(model, opt, batch), FRESH_WARM, FRESH_TIMED
+            )
+            model.eval()
+            row_of(f"prefill {b} x {s}", prefill(model, ids), FRESH_WARM, FRESH_TIMED)
+            del ids, batch
+        model.train()
+        packs = [packed_row(lengths(n, 64, 512, seed=164 + n)) for n in FRESH_PACKS]
+        totals = [int(p["input_ids"].shape[1]) for p in packs]
+        name = f"packed-row training step, total {min(totals)}-{max(totals)} tokens"
+        times = [_step_ms(train_step(model, opt, p)) for p in packs]
+        rows[name] = times[FRESH_PACKS_WARM:]
+    keep = ("reason_code", "selected", "source", "cost", "bucket")
+    said = [{k: e.get(k) for k in keep} for e in seen if e["event"] == "kernel_selected"]
+    result = {
+        "mode": mode,
+        "rows": rows,
+        "selected": said,
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "attnguard_imported": "attnguard" in sys.modules,
+    }
+    print("CHILD " + json.dumps(result, default=str), flush=True)
+    return 0
+
+
+def _run_child(mode: str, cache_dir: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--cache", cache_dir]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("CHILD ")), None)
+    if res.returncode != 0 or line is None:
+        raise RuntimeError(f"{mode} process exited {res.returncode}: {res.stderr[-1500:]}")
+    got = json.loads(line[6:])
+    if got["attnguard_imported"] != (mode == "on"):
+        raise RuntimeError(f"{mode} process: attnguard imported = {got['attnguard_imported']}")
+    return got
+
+
+def _ratio_cells(off: list[float | None], on: list[float | None]) -> tuple[str, str]:
+    pairs = [(a, b) for a, b in zip(off, on, strict=True) if a and b]
+    if not pairs:
+        return "out of memory", ""
+    ratios = [a / b for a, b in pairs]
+    ms = statistics.median(b for _, b in pairs)
+    med = statistics.median(ratios)
+    return f"{ms:.1f}", f"**{med:.3f}** [{min(ratios):.3f}, {max(ratios):.3f}]"
+
+
+def fresh_part(args: argparse.Namespace) -> list[str]:
+    root = tempfile.mkdtemp(prefix="attnguard-bench-fresh-")
+    rounds = []
+    for r in range(args.fresh_rounds):
+        cache_dir = os.path.join(root, f"round-{r}")  # does not exist yet: an empty cache
+        got = {}
+        for mode in ("on", "off") if r % 2 == 0 else ("off", "on"):
+            got[mode] = _run_child(mode, cache_dir)
+        got["on again"] = _run_child("on", cache_dir)  # the second process on that cache
+        rounds.append(got)
+        walls = ", ".join(f"{m} {got[m]['wall_s']} s" for m in got)
+        print(f"fresh round {r + 1}: process wall time {walls}", flush=True)
+
+    def per_row(mode: str, name: str) -> list[float | None]:
+        """Each round's time of a row: the median step, or for the packed rows (every step
+        another pack) the sum of the timed steps."""
+        out: list[float | None] = []
+        for got in rounds:
+            times = got[mode]["rows"].get(name)
+            if not times:
+                out.append(None)
+            else:
+                out.append(sum(times) if name.startswith("packed") else statistics.median(times))
+        return out
+
+    lines = [
+        "",
+        f"fresh processes, {args.fresh_rounds} alternating rounds; ratio = off / on (same round)",
+        "| measured | off ms | on ms, first process | ratio | on ms, second process | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in rounds[0]["off"]["rows"]:
+        off = per_row("off", name)
+        first, second = per_row("on", name), per_row("on again", name)
+        off_ms = statistics.median(x for x in off if x) if any(off) else float("nan")
+        lines.append(
+            f"| {name} | {off_ms:.1f} | {' | '.join(_ratio_cells(off, first))} | "
+            f"{' | '.join(_ratio_cells(off, second))} |"
+        )
+    lines += ["", "the first process's decisions (round 1, kernel_selected):"]
+    for e in rounds[0]["on"]["selected"]:
+        cost = e.get("cost") or {}
+        spent = f"race {cost.get('race_s', 0):.2f} s + warm-up {cost.get('warm_up_s', 0):.2f} s"
+        lines.append(
+            f"  {'/'.join(str(x) for x in (e.get('bucket') or [])[-8:])}: {e['selected']} "
+            f"({e['reason_code']}, {e['source']}; {spent}; process {cost.get('process_races_s')}"
+            f" s of {cost.get('process_allowance_s')} s)"
+        )
+    codes = [e["reason_code"] for e in rounds[0]["on"]["selected"]]
+    lines.append(f"  not_raced: {codes.count('not_raced')} of {len(codes)} buckets")
+    return lines
 
 
 def dense_parts(args: argparse.Namespace) -> list[str]:
@@ -216,17 +393,35 @@ def seven_b_part(args: argparse.Namespace) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=DEFAULT_PARTS, help=f"of {', '.join(PARTS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--fresh-rounds", type=int, default=2)
+    ap.add_argument("--child", choices=("off", "on"), help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.cache)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(unknown)}; valid: {', '.join(PARTS)}")
     import torch
 
     if not torch.cuda.is_available():
         print("bench_kernel: needs a CUDA GPU")
         return 2
-    import tempfile
-
+    t0 = time.perf_counter()
+    if "fresh" in parts:  # first: this process has not touched the GPU yet
+        try:
+            lines = fresh_part(args)
+        except Exception as exc:
+            lines = [f"fresh: error: {type(exc).__name__}: {str(exc)[:2000]}"]
+        print("\n".join(lines), flush=True)
+        print(f"(fresh part: {time.perf_counter() - t0:.0f} s)", flush=True)
+    parts = [p for p in parts if p != "fresh"]
+    if not parts:
+        return 0
     import flash_attn
     import transformers
 
@@ -234,18 +429,19 @@ def main() -> int:
     from attnguard import events
 
     # a cache of its own: every decision is measured in this run, none read from an earlier one
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="attnguard-bench-cache-")
-    attnguard.activate(log="none", kernel="requested")
+    attnguard.activate(
+        log="none", kernel="requested", kernel_cache=tempfile.mkdtemp(prefix="attnguard-bench-")
+    )
     print(
         f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; transformers "
         f"{transformers.__version__}; flash-attn {flash_attn.__version__}"
     )
-    print(f"rounds {args.rounds}, iters {args.iters}; ratio = time with the switch off / on")
+    print(f"one process: rounds {args.rounds}, iters {args.iters}; ratio = time switch off / on")
     print("| measured | off ms | on ms | ratio [min, max] |")
     print("|---|---|---|---|")
     table = {"dense": dense_parts, "packed": packed_part, "decode": decode_part, "7b": seven_b_part}
     with events.capture() as seen:
-        for part in [p.strip() for p in args.parts.split(",") if p.strip()]:
+        for part in parts:
             try:
                 lines = table[part](args)
             except Exception as exc:
@@ -259,6 +455,7 @@ def main() -> int:
             times = {n: c.get("ms") for n, c in e["candidates"].items()}
             print(f"  {'/'.join(e['bucket'][:1] + e['bucket'][-6:])}: {e['selected']} {times}")
     print(json.dumps([e for e in seen if e["event"] == "kernel_selected"], default=str)[:20000])
+    print(f"(total: {time.perf_counter() - t0:.0f} s)")
     return 0
 
 

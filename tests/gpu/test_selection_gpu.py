@@ -5,6 +5,8 @@
   softcapped call is left to the real kernel (bit-identical) and the event says why;
 * one ``kernel_selected`` event per bucket, carrying every candidate's time and difference;
 * the disk cache: a second process makes the same decision without racing ("disk cache");
+* the race budget: a first process with an empty cache races every bucket of issue 30's shape
+  sequence (4 x 4096 -> 1 x 16384 -> 1 x 32768, training and prefill), none ``not_raced``;
 * two ranks of a torchrun job (gloo, both on this GPU) end with the same winner;
 * ``torch.compile(fullgraph=True)`` of a function calling flash_attn_func with the switch on:
   one graph, the decided kernel, the same numbers as eager.
@@ -29,8 +31,9 @@ pytestmark = [
 import gpuenv  # noqa: E402
 
 import attnguard  # noqa: E402
-from attnguard import decisions, events  # noqa: E402
-from attnguard.selection import TOLERANCE  # noqa: E402
+from attnguard import events  # noqa: E402
+from attnguard.selection import decisions  # noqa: E402
+from attnguard.selection.buckets import TOLERANCE  # noqa: E402
 
 BF16 = torch.bfloat16
 CUDA = "cuda"
@@ -148,25 +151,69 @@ print("RESULT " + json.dumps({"source": ev[0]["source"], "selected": ev[0]["sele
 """
 
 
-def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
+def _fastest_process(program: str, cache: object) -> object:
+    """Run ``program`` in a fresh process with the switch on and the cache directory ``cache``;
+    returns what it printed after ``RESULT ``."""
     gpuenv.require()
     env = gpuenv.child_env(
         real=True,
         ATTNGUARD="1",
         ATTNGUARD_LOG="none",
         ATTNGUARD_KERNEL="fastest",
-        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        XDG_CACHE_HOME=str(cache),
     )
-    got = []
-    for _ in range(2):
-        res = subprocess.run(
-            [sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert res.returncode == 0, res.stderr[-3000:]
-        line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
-        got.append(json.loads(line[7:]))
+    res = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))[7:])
+
+
+def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
+    got = [_fastest_process(_PROGRAM, tmp_path / "cache") for _ in range(2)]
     assert got[0]["source"] == "measured" and got[1]["source"] == "disk cache"
     assert got[0]["selected"] == got[1]["selected"]
+
+
+_SEQUENCE = r"""
+import json, torch
+import attnguard  # ATTNGUARD=1: on, from the environment (start-up hook installed or not)
+from attnguard import events
+from flash_attn import flash_attn_func
+g = torch.Generator(device="cuda").manual_seed(0)
+def qkv(b, s, grad):
+    def t(h):
+        x = torch.randn(b, s, h, 64, device="cuda", generator=g).to(torch.bfloat16)
+        return x.requires_grad_(grad)
+    return t(14), t(2), t(2)  # Qwen2-0.5B's attention: 14 query / 2 kv heads, head_dim 64
+with events.capture() as seen:
+    for b, s in ((4, 4096), (1, 16384), (1, 32768)):
+        for grad in (True, False):  # a training step's call, then a prefill's
+            q, k, v = qkv(b, s, grad)
+            for _ in range(2):
+                out = flash_attn_func(q, k, v, causal=True)
+                if grad:
+                    out.backward(torch.ones_like(out))
+            del q, k, v, out
+ev = [e for e in seen if e["event"] == "kernel_selected"]
+keep = ("reason_code", "selected", "source", "cost", "bucket")
+print("RESULT " + json.dumps([{k: e.get(k) for k in keep} for e in ev]))
+"""
+
+
+def test_a_first_process_races_every_bucket_of_a_job_whose_shapes_change(tmp_path):
+    """Issue 30: the shape sequence 4 x 4096 -> 1 x 16384 -> 1 x 32768 (training and prefill
+    calls) in a fresh process with an empty cache. Every bucket is raced — none ``not_raced``:
+    the first cuDNN call's cold start is a warm-up, outside the race budget — and each event
+    says what its race cost."""
+    got = _fastest_process(_SEQUENCE, tmp_path / "cache")
+    for e in got:
+        print(f"{'/'.join(e['bucket'][-6:])} grad={e['bucket'][7]}: {e['selected']} {e['cost']}")
+    assert len(got) == 6, got
+    assert all(e["reason_code"] in ("faster_kernel", "requested_kept") for e in got), got
+    assert all(e["source"] == "measured" and e["cost"]["race_s"] > 0 for e in got), got
+    last = got[-1]["cost"]
+    assert last["process_races_s"] <= last["process_allowance_s"], last
 
 
 _RANKS = r"""

@@ -1,20 +1,14 @@
-"""Opt-in (``ATTNGUARD_KERNEL=fastest``): which kernel serves a flash-attention call — the pure part.
+"""What a flash-attention call is, for the opt-in selection: its bucket, and the candidates that
+may compute it (pure: no tensor value read, no side effect; it runs inside torch.compile traces).
 
-With the switch on, a call to flash-attn's ``flash_attn_func``, ``flash_attn_varlen_func`` or
-``flash_attn_with_kvcache`` that the real kernel could compute is served by the fastest kernel
-that computes the same numbers, measured on this GPU (:mod:`attnguard.race` measures,
-:mod:`attnguard.decisions` remembers and makes ranks agree). This module holds the rules, with no
-side effects:
-
-* :func:`describe`: the call's facts, and its *bucket* — the decision's key: the entry point,
-  dtype, head dims, features (causal, window, softcap, ALiBi, dropout, LSE, gradients) and the
-  shapes rounded up to powers of two. Calls the switch never touches get a reason instead
-  (dropout, ``deterministic=True``, ALiBi, softcap, a paged or indexed KV cache, ...): their
-  numbers could not be compared, or no other kernel computes them.
-* :data:`CANDIDATES`: which kernels may serve a call of each kind, and when.
-* :func:`pick`: the winner from what was measured: the fastest candidate whose outputs (and
-  gradients) are within the dtype's rounding of the requested kernel's, and at least
-  :data:`MARGIN` faster than it; else the requested kernel stays.
+* :func:`bucket` / :func:`describe`: the call's facts, and its *bucket* — the decision's key: the
+  entry point, dtype, head dims, features (causal, window, LSE, gradients) and the shapes rounded
+  up to powers of two. Calls the switch never touches get a reason instead (dropout,
+  ``deterministic=True``, ALiBi, softcap, a paged or indexed KV cache, ...): their numbers could
+  not be compared, or no other kernel computes them.
+* :data:`CANDIDATES`: which kernels may serve a call of each kind, and when; :func:`candidates`:
+  the ones for one described call.
+* :data:`TOLERANCE`: how close a candidate's numbers must be to the requested kernel's.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 REQUESTED = "requested"
-MARGIN = 0.05  # a candidate must be at least 5 % faster than the requested kernel to win
 # max |candidate - requested| / max |requested|, outputs and gradients (the dtype's rounding:
 # bf16 keeps 8 bits, fp16 11; accumulated over a softmax row in a different order)
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -127,7 +120,11 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     """The call's bucket — ``(entry, dtype, head_dim, heads, kv_heads, causal, window, lse, grad,
     plain, *shape)`` with shapes rounded up to powers of two — or, as a string, why the switch
     leaves the call to the requested kernel. ``call`` maps the entry's parameter names to the
-    values passed. Plain ints, strings and tuples only: it runs inside torch.compile traces."""
+    values passed. Plain ints, strings and tuples only: it runs inside torch.compile traces.
+
+    Packed rows (``flash_attn_varlen_func``) are bucketed by their total and longest lengths, not
+    by how many sequences they hold: a padding-free training job whose packs change from step to
+    step meets few buckets, and each is raced once."""
     q = call.get("q")
     if entry not in SELECTED_ENTRIES or q is None or not getattr(q, "is_cuda", False):
         return "not a CUDA flash-attention call"
@@ -161,12 +158,11 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     if entry == "flash_attn_varlen_func":
         if call.get("block_table") is not None:
             return "a paged block_table"
-        nseq = int(call["cu_seqlens_q"].shape[0]) - 1
         total = int(q.shape[0])
         mq, mk = _max_len(call.get("max_seqlen_q")), _max_len(call.get("max_seqlen_k"))
         if mq is None or mk is None:
             return "max_seqlen given as a tensor inside a torch.compile trace"
-        shape = ("T", _pow2(total), "N", _pow2(nseq), "maxq", _pow2(mq), "maxk", _pow2(mk))
+        shape = ("T", _pow2(total), "maxq", _pow2(mq), "maxk", _pow2(mk))
         return (*common, False, *shape)
     # flash_attn_with_kvcache
     for name in ("block_table", "cache_batch_idx", "cache_leftpad", "rotary_cos"):
@@ -197,66 +193,6 @@ def candidates(call: Call, torch_flash_ok: bool) -> list[str]:
             continue
         out.append(c.name)
     return out
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One candidate's result on the call's own inputs."""
-
-    ms: float = math.inf  # median of the timed rounds
-    out_diff: float = math.inf  # max |candidate - requested| / max |requested|, outputs
-    grad_diff: float | None = None  # the same over q/k/v gradients (when the call trains)
-    error: str | None = None
-    rounds: tuple[float, ...] = ()  # each timed round's ms, rounds interleaved across candidates
-
-
-def _faster_every_round(m: Measured, base: Measured, margin: float) -> bool:
-    pairs = list(zip(m.rounds, base.rounds, strict=False))
-    return all(mine <= theirs * (1.0 - margin) for mine, theirs in pairs)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    winner: str
-    why: dict[str, str]  # candidate -> why it won / lost
-
-
-def pick(measured: dict[str, Measured], dtype: str, margin: float = MARGIN) -> Verdict:
-    """The fastest candidate within tolerance and ``margin`` faster than the requested one."""
-    tol = TOLERANCE.get(dtype, 0.0)
-    base = measured.get(REQUESTED)
-    why: dict[str, str] = {}
-    if base is None or base.error is not None or not math.isfinite(base.ms):
-        reason = base.error if base is not None and base.error else "not measured"
-        return Verdict(REQUESTED, {REQUESTED: f"the requested kernel could not be timed: {reason}"})
-    eligible: list[tuple[float, str]] = []
-    for name, m in measured.items():
-        if name == REQUESTED:
-            continue
-        if m.error is not None:
-            why[name] = f"failed on this call: {m.error}"
-        elif m.out_diff > tol:
-            why[name] = f"outputs differ by {m.out_diff:.3g} of max |out| (> {tol:g})"
-        elif m.grad_diff is not None and m.grad_diff > tol:
-            why[name] = f"gradients differ by {m.grad_diff:.3g} of max |grad| (> {tol:g})"
-        elif m.ms > base.ms * (1.0 - margin):
-            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster than {base.ms:.3f} ms"
-        elif not _faster_every_round(m, base, margin):
-            # timing noise must not pick a kernel that is not really faster: the margin has
-            # to hold in every round, not only in the median
-            why[name] = f"{m.ms:.3f} ms: not {margin:.0%} faster in every timed round"
-        else:
-            eligible.append((m.ms, name))
-    if not eligible:
-        why[REQUESTED] = "no candidate within tolerance and faster by the margin"
-        return Verdict(REQUESTED, why)
-    eligible.sort()
-    best_ms, best = eligible[0]
-    why[best] = f"{best_ms:.3f} ms vs {base.ms:.3f} ms ({base.ms / best_ms:.2f}x), within tolerance"
-    for ms, name in eligible[1:]:
-        why[name] = f"{ms:.3f} ms: slower than {best}"
-    why[REQUESTED] = f"{base.ms:.3f} ms: slower than {best}"
-    return Verdict(best, why)
 
 
 def candidate(name: str) -> Candidate:
