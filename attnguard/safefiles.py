@@ -33,11 +33,13 @@ Errors are :class:`UnsafeFile` (with the reason to show) or the OSError of the s
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import stat
-from collections.abc import Mapping
+
+TYPE_CHECKING = False  # typing is not imported at start-up (the hook may load this module)
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 # Path limits of Linux (PATH_MAX, NAME_MAX): a longer value can only fail later, less clearly.
 MAX_PATH = 4096
@@ -173,8 +175,10 @@ class _Walk:
             except FileNotFoundError:
                 if not create:
                     raise
-                with contextlib.suppress(FileExistsError):
+                try:
                     os.mkdir(name, mode, dir_fd=self.fd)
+                except FileExistsError:
+                    pass
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
             if stat.S_ISLNK(st.st_mode):
                 todo.extend(reversed(self.follow(name, st)))
@@ -401,8 +405,10 @@ class PrivateDir:
             walk = _Walk(os.path.dirname(_abs(path)))
             parent = walk.fd
         try:
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(name, 0o700, dir_fd=parent)
+            except FileExistsError:
+                pass
             try:
                 self.fd = os.open(
                     name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent

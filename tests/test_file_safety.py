@@ -373,7 +373,10 @@ sys.exit(max(codes))
 # A rank: records its changes, says it is ready, ends when the test lets it.
 RANK = """
 import os, time
+import attnguard
 from attnguard import events
+
+attnguard.is_active()  # under the start-up hook, using the API activates (issue 28)
 
 job, rank, flags = os.environ["JOB"], int(os.environ["RANK"]), os.environ["FLAGS"]
 for _ in range(int(os.environ["CHANGES"].split(",")[rank])):
