@@ -5,6 +5,7 @@ console-format stderr. Real processes and pipes throughout."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -41,9 +42,13 @@ def event_file(tmp_path: Path, **env: str) -> tuple[Path, subprocess.CompletedPr
 def into_a_closed_pipe(cmd: list[str]) -> tuple[int, bytes]:
     """Run ``cmd`` with its stdout a pipe whose reader has already gone (``| head -1`` once
     head has its line): the exit status and stderr."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
-    proc.stdout.close()
+    read, write = os.pipe()
+    os.close(read)  # gone before the command starts: no write of it can race the close
+    try:
+        proc = subprocess.Popen(cmd, stdout=write, stderr=subprocess.PIPE)
+    finally:
+        os.close(write)
+    assert proc.stderr is not None
     err = proc.stderr.read()
     return proc.wait(timeout=300), err
 

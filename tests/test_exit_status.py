@@ -22,7 +22,10 @@ from conftest import PY, subprocess_env
 PROGRAM = """
 import os, sys
 if os.environ.get("ATTNGUARD") == "1":
+    import attnguard
     from attnguard import events
+
+    attnguard.is_active()  # under the start-up hook, using the API activates
     if sys.argv[1] == "event":
         events.emit("device_map_rewritten", site="transformers.load",
                     reason_code="device_map_per_rank", reason="one replica per rank", applied=True)
