@@ -31,7 +31,18 @@ from typing import Any
 
 from ..patching import Ledger
 from . import transformers_wiring
-from .transformers_wiring import GLOBALS, IS_FA3, PAD, UNPAD, Unrecognised, Wiring
+from .transformers_wiring import (
+    FUNC,
+    GLOBALS,
+    INDEX,
+    IS_FA3,
+    KVCACHE,
+    PAD,
+    UNPAD,
+    VARLEN,
+    Unrecognised,
+    Wiring,
+)
 
 MODULE = "transformers.modeling_flash_attention_utils"
 SITE = "transformers.flash_kernels"
@@ -156,17 +167,11 @@ def flash_window(sliding_window: int) -> tuple[int, int] | None:
 
 
 def _twins() -> dict[str, Callable[..., Any] | None]:
+    """The twins by role (a role is the flash-attn name of the function it stands for)."""
     from .. import fallback
 
-    names = (
-        "flash_attn_func",
-        "flash_attn_varlen_func",
-        "flash_attn_with_kvcache",
-        "pad_input",
-        "unpad_input",
-        "index_first_axis",
-    )
-    return {name: getattr(fallback, name, None) for name in names}
+    roles = (FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX)
+    return {role: getattr(fallback, role, None) for role in roles}
 
 
 _announced: set[str] = set()
