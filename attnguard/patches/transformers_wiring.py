@@ -6,8 +6,8 @@ in one of two ways, and the way changes between releases without notice:
 * **lazy**: a function ``_lazy_imports(implementation, ...)`` returns a tuple of kernel functions
   and helpers, and a consumer (``lazy_import_flash_attention``, or ``_flash_attention_forward``
   itself) unpacks it into module globals that cache the result (4.54 and later);
-* **globals**: the module binds flash-attn's functions as globals at import and
-  ``_flash_attention_forward`` reads them (4.49-4.53).
+* **globals**: the module binds flash-attn's functions as globals at import and its flash path
+  (``_flash_attention_forward``) reads them (4.49-4.53).
 
 :func:`read` recognises which, and the details attnguard needs to hand the flash path its SDPA
 twins, from the module's *shape* — the names and the source of its functions — never from the
@@ -32,7 +32,6 @@ from typing import Any
 
 LAZY, GLOBALS = "lazy", "globals"
 LAZY_FUNCTION = "_lazy_imports"
-FLASH_FORWARD = "_flash_attention_forward"
 
 # the roles of the functions transformers gets, by the names releases give them
 FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX, IS_FA3 = (
@@ -273,16 +272,17 @@ def _read_lazy(module: ModuleType, lazy: Callable[..., Any]) -> Wiring:
 
 
 def _read_globals(module: ModuleType) -> Wiring:
-    forward = vars(module).get(FLASH_FORWARD)
-    if not inspect.isfunction(forward):
-        raise Unrecognised(f"the module has neither {LAZY_FUNCTION} nor {FLASH_FORWARD}")
+    """The flash path reads module globals bound to flash-attn's functions (whatever its
+    functions are called): which ones, and that the twins can stand for every kernel it reads."""
     read: set[str] = set()
     for fn in _module_functions(module):
         read.update(fn.__code__.co_names)
     kernels = {n for n in read if n in KERNEL_GLOBALS}
     roles = {KERNEL_GLOBALS[n] for n in kernels}
     if roles != {FUNC, VARLEN}:
-        raise Unrecognised(f"{FLASH_FORWARD} reads no flash-attn kernel functions it can be given")
+        raise Unrecognised(
+            "no function of the module reads flash-attn kernel functions it can be given"
+        )
     unknown = sorted(
         n
         for n in read

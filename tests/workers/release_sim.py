@@ -117,7 +117,8 @@ SIMULATIONS: dict[str, dict[str, list[tuple[str, str]]]] = {
         UTILS: [(r"if _is_packed_sequence\(position_ids, batch_size\):", "if False:")],
     },
 }
-# the window_size each simulation's flash path gives flash-attn for sliding_window=w, as w + offset
+# the window_size a simulation's flash path gives flash-attn for sliding_window=w, as w + offset,
+# where it changes the installed release's
 WINDOW_OFFSET = {"window_convention": 0}
 
 
@@ -153,6 +154,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))  # semantics_worker beside this file
     name, mode, root = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     os.environ["HF_HUB_OFFLINE"] = "1"
     rules = SIMULATIONS[name]
@@ -168,7 +170,10 @@ def main() -> None:
         captured = stack.enter_context(events.capture())
     import torch
     import transformers
+    from semantics_worker import flash_window_left
 
+    # this release's own window convention (read before the version number is changed)
+    base_offset = flash_window_left(WINDOW) - WINDOW
     if name == "version_5_99":
         transformers.__version__ = "5.99.0"
     tmp = Path(tempfile.mkdtemp())
@@ -178,7 +183,7 @@ def main() -> None:
     import transformers.modeling_utils  # noqa: F401  (attnguard patches here, seeing the release)
 
     result: dict[str, Any] = {"transformers": transformers.__version__}
-    offset = WINDOW_OFFSET.get(name, -1)
+    offset = WINDOW_OFFSET.get(name, base_offset)
     result["window"] = [WINDOW + offset, WINDOW + offset]
     try:
         llama = transformers.AutoModelForCausalLM.from_pretrained(
