@@ -105,7 +105,7 @@ def launcher_id() -> str:
 # (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity
 # (and a Ray actor gets one when it sets RANK: events.is_helper reads the identity again).
 PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
-_marked: tuple[int, bool] | None = None  # (pid, helper) as decided in this process
+_marked: tuple[int, bool, str] | None = None  # (pid, helper, launch identity) as decided
 
 
 def mark_process() -> bool:
@@ -114,13 +114,15 @@ def mark_process() -> bool:
     hook when it runs (so children it starts before attnguard activates are its helpers), else
     at activation; a forked child decides anew."""
     global _marked
-    me = os.getpid()
-    if _marked is not None and _marked[0] == me:
+    me, mine = os.getpid(), launch_identity()
+    if _marked is not None and _marked[0] == me and (not _marked[1] or _marked[2] == mine):
         return _marked[1]
+    # decided anew: first here, in a forked child, or a helper at start-up that has since got a
+    # launch identity of its own (a Ray actor setting RANK before it imports what is guarded)
     mark = os.environ.get(PARENT_VAR, "")
     pid, _, identity = mark.partition(":")
-    helper = bool(mark) and pid != str(me) and identity == launch_identity()
+    helper = bool(mark) and pid != str(me) and identity == mine
     if not helper:
-        os.environ[PARENT_VAR] = f"{me}:{launch_identity()}"
-    _marked = (me, helper)
+        os.environ[PARENT_VAR] = f"{me}:{mine}"
+    _marked = (me, helper, mine)
     return helper

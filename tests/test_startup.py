@@ -118,6 +118,24 @@ def test_a_child_started_before_the_parent_activates_is_its_helper(tmp_path: Pat
     assert len({r["pid"] for r in recs}) == 1 and not any(r.get("helper") for r in recs)
 
 
+CHILD_GETS_A_RANK = """
+import os, subprocess, sys
+# as Ray starts actors: a child of the guarded driver, with the driver's launch identity at
+# start-up, that sets a rank of its own before it imports anything to guard
+child = "import os; os.environ.update(RANK='1', WORLD_SIZE='2'); import attnguard; " \
+        "from attnguard import events; attnguard.is_active(); print('HELPER', events.is_helper())"
+out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+print(out.stdout.strip())
+import transformers.modeling_utils
+"""
+
+
+def test_a_child_that_gets_a_rank_of_its_own_is_a_rank_not_a_helper(tmp_path: Path) -> None:
+    res = python(CHILD_GETS_A_RANK, ATTNGUARD="1", ATTNGUARD_LOG="none")
+    assert res.returncode == 0, res.stderr
+    assert "HELPER False" in res.stdout.splitlines(), res.stdout
+
+
 def test_a_misspelled_variable_is_named_once_and_the_guard_runs() -> None:
     """``ATTNGUARD_MOOD=fix`` used to be ignored silently (issue 28, item 6)."""
     code = (
