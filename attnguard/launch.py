@@ -46,9 +46,9 @@ IDENTITY_VARS = (
 )
 
 
-def launch_identity() -> str:
-    """This process's launch identity now (see :data:`IDENTITY_VARS`)."""
-    env = os.environ
+def launch_identity(environ: dict[str, str] | os._Environ[str] | None = None) -> str:
+    """This process's launch identity now (see :data:`IDENTITY_VARS`), or that of ``environ``."""
+    env = os.environ if environ is None else environ
     return "|".join(env.get(v, "") for v in IDENTITY_VARS)
 
 
@@ -64,13 +64,13 @@ def _proc(pid: int, name: str, limit: int = 1 << 20) -> bytes | None:
         return None
 
 
-def _identity_of(pid: int) -> tuple[str, ...] | None:
+def _identity_of(pid: int) -> str | None:
     """The launch identity process ``pid`` started with (None: not readable, another user's)."""
     data = _proc(pid, "environ")
     if data is None:
         return None
-    env = dict(item.partition(b"=")[::2] for item in data.split(b"\0") if item)
-    return tuple(env.get(v.encode(), b"").decode("utf-8", "replace") for v in IDENTITY_VARS)
+    pairs = (item.decode("utf-8", "replace").partition("=") for item in data.split(b"\0") if item)
+    return launch_identity({key: value for key, _, value in pairs})
 
 
 def launcher_id() -> str:
@@ -85,7 +85,7 @@ def launcher_id() -> str:
     if _launcher is None or _launcher[0] != pid:
         import socket
 
-        mine = tuple(os.environ.get(v, "") for v in IDENTITY_VARS)
+        mine = launch_identity()
         parent, started = os.getppid(), ""
         for _ in range(_WRAPPER_DEPTH + 1):
             stat = _proc(parent, "stat", 4096)
@@ -110,9 +110,9 @@ _marked: tuple[int, bool, str] | None = None  # (pid, helper, launch identity) a
 
 def mark_process() -> bool:
     """True when this process is a helper of a guarded parent; otherwise mark it the parent of
-    its own children (they inherit the variable). Decided once per process: at start-up by the
-    hook when it runs (so children it starts before attnguard activates are its helpers), else
-    at activation; a forked child decides anew."""
+    its own children (they inherit the variable). Decided at start-up by the hook when it runs
+    (so children it starts before attnguard activates are its helpers), else at activation; a
+    forked child decides anew, and so does a helper whose launch identity has changed since."""
     global _marked
     me, mine = os.getpid(), launch_identity()
     if _marked is not None and _marked[0] == me and (not _marked[1] or _marked[2] == mine):

@@ -123,10 +123,7 @@ def installed_flash_path() -> dict[str, Any]:
     if ours:
         patch(module)
     try:
-        why, wired = unrecognised(), _state.wiring
-        offset = getattr(_state.probe, "window_offset", None) or getattr(
-            wired, "window_offset", None
-        )
+        why, wired, offset = unrecognised(), _state.wiring, _window_offset()
         return {
             "kept_on_twins": not why,
             "why": why,
@@ -154,13 +151,16 @@ def covers(model_class: type | None = None) -> bool:
 def flash_window(sliding_window: int) -> tuple[int, int] | None:
     """flash's ``window_size`` that transformers' flash path passes for ``sliding_window``
     (recorded by the probe, else read from the module); None when unknown."""
-    probe = _state.probe
-    offset = getattr(probe, "window_offset", None)
-    if offset is None and _state.wiring is not None:
-        offset = _state.wiring.window_offset
+    offset = _window_offset()
     if offset is None:
         return None
     return sliding_window + offset[0], sliding_window + offset[1]
+
+
+def _window_offset() -> tuple[int, int] | None:
+    """The window convention as (left - w, right - w): recorded by the probe, else read."""
+    offset = getattr(_state.probe, "window_offset", None)
+    return offset if offset is not None else getattr(_state.wiring, "window_offset", None)
 
 
 # --- the twins, and saying so -------------------------------------------------------------------
