@@ -337,7 +337,15 @@ def _closure(
                 site = entry.site or _registry_site(entry.name, args)
                 return _fail_open(site, original, slow, args, kwargs)
             if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
-                faster = _faster_kernel(entry, settings, args, kwargs)
+                # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
+                serve, made = _serve[0], _options
+                if serve is not None and made is not None and made[0] is settings:
+                    try:
+                        faster = serve(entry, args, kwargs, made[1])
+                    except Exception as exc:
+                        faster = _selection_failed(entry, exc)
+                else:
+                    faster = _faster_kernel(entry, settings, args, kwargs)
                 if faster is not None:
                     return _on_faster_kernel(entry, faster, args, kwargs)
         try:
@@ -388,18 +396,26 @@ def _faster_kernel(
 ) -> Any:
     """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
     try:
-        from .selection.decisions import serve
+        serve = _serve[0]
+        if serve is None:  # imported once: an import statement costs a decode step's budget
+            from .selection.decisions import serve
 
+            _serve[0] = serve
         return serve(entry, args, kwargs, _selection_options(settings))
     except Exception as exc:
-        if not events.is_compiling():
-            from .patching import report_internal_error
+        return _selection_failed(entry, exc)
 
-            report_internal_error(f"{entry.site}.select", exc)
-        return None
+
+def _selection_failed(entry: Entry, exc: Exception) -> None:
+    """The selection raised: attnguard's error, reported once; the requested kernel computes."""
+    if not events.is_compiling():
+        from .patching import report_internal_error
+
+        report_internal_error(f"{entry.site}.select", exc)
 
 
 _options: tuple[Settings, Any] | None = None  # the settings in force and their Options
+_serve: list[Any] = [None]  # attnguard.selection.decisions.serve, once imported
 
 
 def _selection_options(settings: Settings) -> Any:

@@ -143,6 +143,9 @@ class _State:
         self.said: dict[tuple[Any, ...], bool] = {}  # bucket -> applied, as last said
         self.impls: dict[tuple[str, str], Any] = {}
         self.calls: dict[tuple[Any, ...], int] = {}  # decided bucket -> eager calls served
+        # entry -> call signature -> (bucket or None for a call left alone, kernel or None,
+        # applied)
+        self.served: dict[str, dict[tuple[Any, ...], tuple[Any, Any, bool]]] = {}
         self.call_ms: dict[tuple[Any, ...], float] = {}  # decided bucket -> ms per call
         self.spent_s = 0.0  # races: probes and timed rounds
         self.warm_up_s = 0.0  # races: warm-ups (said, not counted against the budget)
@@ -374,11 +377,32 @@ def _cost(decision: Decision) -> dict[str, float]:
 
 def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     """The candidate that computes this call (a callable with the entry's signature), or None
-    for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`)."""
+    for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`).
+
+    A decided bucket is served from :data:`_State.served`, keyed by the call's
+    :func:`buckets.signature`: a decode loop pays for one tuple and one dict lookup per call,
+    not for the bucket's computation (the budget of "decided bucket costs <= 2 µs over the
+    kernel that serves it", docs/benchmarks.md)."""
+    name = entry.name
+    sig = None if _is_compiling() else buckets.signature(name, args, kwargs)
+    if sig is not None:
+        served = _state.served.get(name)
+        if served is None:
+            served = _state.served[name] = {}
+        try:
+            hit = served.get(sig)
+        except TypeError:  # an unhashable argument: the bucket's way
+            sig = hit = None
+        if hit is not None and hit[2] is opts.apply:
+            if hit[0] is not None:
+                _state.calls[hit[0]] += 1
+            return hit[1]
     named = dict(zip(entry.params, args, strict=False))
     named.update(kwargs)
     key = buckets.bucket(entry.name, named)
     if isinstance(key, str):
+        if sig is not None:
+            _remember(name, sig, None, None, opts.apply)
         return None  # a call the switch leaves alone
     decision = _state.made.get(key)
     if decision is None or (decision.winner != REQUESTED and _state.said.get(key) != opts.apply):
@@ -399,10 +423,43 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     if not events.is_compiling():  # what the budget grows with (a traced graph's calls: not)
         _state.calls[key] = _state.calls.get(key, 0) + 1
     if decision.winner == REQUESTED or not opts.apply:
+        if sig is not None:
+            _remember(name, sig, key, None, opts.apply)
         return None
     impl = _state.impls.get((entry.name, decision.winner))
     if impl is None:
         names = [decision.winner]
         impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
         _state.impls[(entry.name, decision.winner)] = impl
+    if sig is not None:
+        _remember(name, sig, key, impl, opts.apply)
     return impl
+
+
+_SERVED_MAX = 4096
+
+
+def _is_compiling() -> bool:
+    """events.is_compiling, with torch's function looked up once (a decode loop asks at every
+    call)."""
+    fn = _COMPILING[0]
+    if fn is None:
+        try:
+            import torch
+
+            fn = _COMPILING[0] = torch.compiler.is_compiling
+        except Exception:
+            return events.is_compiling()
+    return bool(fn())
+
+
+_COMPILING: list[Any] = [None]
+
+
+def _remember(name: str, sig: tuple, key: tuple | None, impl: Any, apply: bool) -> None:
+    """Serve later calls of this signature straight away (bounded: a job whose shapes never
+    repeat starts over rather than grow)."""
+    served = _state.served[name]
+    if len(served) >= _SERVED_MAX:
+        served.clear()
+    served[sig] = (key, impl, apply)
