@@ -347,7 +347,10 @@ def _closure(
                 else:
                     faster = _faster_kernel(entry, settings, args, kwargs)
                 if faster is not None:
-                    return _on_faster_kernel(entry, faster, args, kwargs)
+                    try:
+                        return faster(args, kwargs)
+                    except Exception as exc:
+                        return _faster_kernel_failed(entry, exc, args, kwargs)
         try:
             return original(*args, **kwargs)
         except Exception as exc:
@@ -437,19 +440,16 @@ def _selection_options(settings: Settings) -> Any:
     return made[1]
 
 
-def _on_faster_kernel(
-    entry: Entry, impl: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+def _faster_kernel_failed(
+    entry: Entry, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The selected kernel computes the call; should it fail (a call unlike the ones it was
-    measured on), that is attnguard's error: reported once, and the requested kernel computes."""
-    try:
-        return impl(args, kwargs)
-    except Exception as exc:
-        if events.is_compiling():
-            raise
-        from .patching import report_internal_error
+    """The selected kernel failed (a call unlike the ones it was measured on): attnguard's
+    error, reported once, and the requested kernel computes the call."""
+    if events.is_compiling():
+        raise exc
+    from .patching import report_internal_error
 
-        report_internal_error(f"{entry.site}.selected", exc)
+    report_internal_error(f"{entry.site}.selected", exc)
     return entry.original(*args, **kwargs)
 
 

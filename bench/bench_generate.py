@@ -28,6 +28,7 @@ once, in a rotating order. Parts:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -150,14 +151,24 @@ def part_generate(args: argparse.Namespace) -> list[str]:
     new = 4 if SMOKE else 64
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
 
-    def generate() -> float:
-        sync()
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(ids, **kw)
-        sync()
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+
+    def generate(mode: str = "") -> float:
+        gc.collect()
+        gc.disable()  # a collection inside one mode's round is noise, not the mode's cost
+        try:
+            sync()
+            t, c = time.perf_counter(), time.process_time()
+            with torch.no_grad():
+                out = model.generate(ids, **kw)
+            sync()
+            wall, spent = time.perf_counter() - t, time.process_time() - c
+        finally:
+            gc.enable()
         assert out.shape[1] == ids.shape[1] + new
-        return (time.perf_counter() - t) * 1e3
+        if mode:
+            cpu[mode].append(spent * 1e3)
+        return wall * 1e3
 
     lines = []
     for mode in MODES:  # warm-up: compiles, cold kernels, fastest's races
@@ -173,7 +184,7 @@ def part_generate(args: argparse.Namespace) -> list[str]:
         order = MODES[rounds % 3 :] + MODES[: rounds % 3]
         for mode in order:
             use(mode)
-            times[mode].append(generate())
+            times[mode].append(generate(mode))
         rounds += 1
         ratios = {
             m: [a / b for a, b in zip(times[m], times["off"], strict=True)] for m in MODES[1:]
@@ -186,6 +197,13 @@ def part_generate(args: argparse.Namespace) -> list[str]:
     lines.append(f"| generate 1 x {ids.shape[1]} + {new} tokens: {rounds} rounds | | | |")
     for mode in MODES:
         lines.append(f"| generate, {mode} (ms) | {tails(times[mode])} | | |")
+    for mode in MODES[1:]:
+        c = [a / b for a, b in zip(cpu[mode], cpu["off"], strict=True)]
+        mean, lo, hi = interval(c)
+        lines.append(
+            f"| generate process CPU time {mode} / off | {mean:.4f} | 95 % CI [{lo:.4f}, "
+            f"{hi:.4f}] | |"
+        )
     for mode, r in ratios.items():
         mean, lo, hi = interval(r)
         width = hi - lo
@@ -221,8 +239,11 @@ def part_step(args: argparse.Namespace) -> list[str]:
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
             use(mode)
             got[mode].append(wall_ms(step, 3 if SMOKE else 20))
-    use("off")
     lines = []
+    for mode in MODES[1:]:  # where attnguard's own Python goes in a decode step
+        use(mode)
+        lines.append(f"| decode step, {mode}: {profile(step, 10)} | | | |")
+    use("off")
     for mode in MODES:
         lines.append(
             f"| decode step (1 token, {n} cached), {mode}: wall ms | {tails(got[mode])} | | |"
@@ -232,6 +253,29 @@ def part_step(args: argparse.Namespace) -> list[str]:
         mean, lo, hi = interval(r)
         lines.append(f"| decode step {mode} / off | {mean:.4f} | 95 % CI [{lo:.4f}, {hi:.4f}] | |")
     return lines
+
+
+def profile(fn: Callable[[], Any], n: int) -> str:
+    """attnguard's own functions in ``n`` calls of ``fn`` under cProfile: calls and own time
+    per call of ``fn`` (profiling inflates every time alike; read them against each other)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = sum(v[2] for v in stats.values())
+    ours = {k: v for k, v in stats.items() if "/attnguard/" in k[0]}
+    own = sum(v[2] for v in ours.values())
+    top = sorted(ours.items(), key=lambda kv: -kv[1][2])[:4]
+    names = ", ".join(f"{k[2]} {v[2] / n * 1e6:.0f} µs ({v[1] // n} calls)" for k, v in top)
+    return (
+        f"attnguard's own Python {own / n * 1e6:.0f} µs per step of {total / n * 1e3:.1f} ms "
+        f"profiled ({names})"
+    )
 
 
 def wall_ms(fn: Callable[[], Any], n: int) -> float:
@@ -313,8 +357,7 @@ def part_host(args: argparse.Namespace) -> list[str]:
     use("fastest")
     guarded(*meta, **kw)  # meta tensors are no CUDA call: seed the served bucket by hand
     sig = buckets.signature("flash_attn_func", tuple(meta), kw)
-    decisions._state.calls[("bench",)] = 0
-    decisions._state.served.setdefault("flash_attn_func", {})[sig] = (("bench",), serving, True)
+    decisions._state.served.setdefault("flash_attn_func", {})[sig] = ([0], serving, True)
     results["fastest"] = host_us(lambda: guarded(*meta, **kw), n * 10)
     results["served"] = host_us(lambda: serving(tuple(meta), kw), n * 10)
     decisions.reset()

@@ -59,12 +59,12 @@ def torch_route() -> Iterator[None]:
     """The twin without its decode kernel: the route it takes where Triton is absent."""
     from attnguard.fallback import triton_decode
 
-    saved = triton_decode.eligible
-    triton_decode.eligible = lambda *a: False
+    saved = triton_decode.decode
+    triton_decode.decode = lambda *a, **k: None
     try:
         yield
     finally:
-        triton_decode.eligible = saved
+        triton_decode.decode = saved
 
 
 @contextlib.contextmanager
@@ -72,12 +72,29 @@ def tritons_launcher() -> Iterator[None]:
     """The decode kernel launched through Triton's own entry at every call."""
     from attnguard.fallback import triton_decode
 
-    triton_decode._state["direct"] = False
+    saved = triton_decode._direct_launch
+    triton_decode._direct_launch = lambda compiled: None
     triton_decode._compiled.clear()
     try:
         yield
     finally:
-        triton_decode._state["direct"] = True
+        triton_decode._direct_launch = saved
+
+
+@contextlib.contextmanager
+def one_split() -> Iterator[None]:
+    """The decode kernel with the cache unsplit: one launch, one program per kv head and
+    sequence (no second, combining kernel)."""
+    from attnguard.fallback import triton_decode
+
+    saved = triton_decode._layout
+    triton_decode._layout = lambda b, hk, cap, dev: (1, -(-cap // 64) * 64)
+    triton_decode._layouts.clear()
+    try:
+        yield
+    finally:
+        triton_decode._layout = saved
+        triton_decode._layouts.clear()
 
 
 def wrapped(fn: Callable[[], Any], ctx: Callable[[], Any]) -> Callable[[], Any]:
@@ -189,6 +206,7 @@ def options(x: dict, real: Any) -> dict[str, Callable[[], Any]]:
         "twin": twin,
         "twin, Triton's launcher": wrapped(twin, tritons_launcher),
         "twin, torch ops": wrapped(twin, torch_route),
+        "twin, cache unsplit (one launch)": wrapped(twin, one_split),
     }
     if bt.DEV == "cuda":  # aten's flash op and graphs need a GPU
         out["torch ops, fewest"] = fewest_ops(x)

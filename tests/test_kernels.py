@@ -300,35 +300,41 @@ def test_kvcache_fast_path_leaves_other_rows_of_the_cache_alone(emulated):
     assert changed == [[0, 3], [1, 0], [2, 11]]  # one new key per row, at its length
 
 
-@pytest.mark.parametrize("fails", ["no_triton", "launch_refused"])
 def test_kvcache_decode_kernel_that_cannot_run_leaves_the_call_to_torchs_kernels(
-    emulated, monkeypatch, fails
+    emulated, monkeypatch
 ):
-    """Where the decode kernel takes a call but cannot run it (Triton absent, a build or first
-    launch that fails), the call is computed by the next row of the table, with the same
-    appends and numbers as a call the kernel never took."""
+    """Where the decode kernel is asked but declines (Triton absent, a build or first launch
+    that fails, a call it does not take), the call is computed by the next row of the table,
+    with the same appends and numbers as a call never offered to it."""
     from attnguard.fallback import triton_decode
 
-    taken = []
-    monkeypatch.setattr(triton_decode, "eligible", lambda *a: taken.append("asked") or True)
-    if fails == "no_triton":
-        monkeypatch.setitem(triton_decode._state, "kernels", None)
-        monkeypatch.setitem(triton_decode._state, "why_not", None)
-        monkeypatch.setattr(triton_decode, "_build", lambda: 1 / 0)
-    else:
-        monkeypatch.setattr(triton_decode, "decode", lambda *a, **k: taken.append("run"))
+    asked = []
+    monkeypatch.setattr(triton_decode, "decode", lambda *a, **k: asked.append(1))
     q, kc, vc, k, v, kw = kvcache_case(i32([3, 0, 11]), False)
     kw.update(causal=True, return_softmax_lse=True)
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     out, lse = fb.flash_attn_with_kvcache(q, kc1, vc1, k, v, **kw)
-    assert taken[0] == "asked" and emulated, "the decode row, then torch's flash kernel"
-    if fails == "no_triton":
-        assert "ZeroDivisionError" in triton_decode.disabled()
-    monkeypatch.setattr(triton_decode, "eligible", lambda *a: False)
+    assert asked and emulated, "the decode row first, then torch's flash kernel"
+    monkeypatch.setattr(kernels, "kvcache", lambda decode=False, **f: "kvcache-general")
     ref, ref_lse = without_flash(fb.flash_attn_with_kvcache, q, kc2, vc2, k, v, **kw)
     close(out, ref)
     close(lse, ref_lse)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+
+
+def test_kvcache_decode_kernel_without_triton_declines_and_says_why(monkeypatch):
+    from attnguard.fallback import triton_decode
+
+    monkeypatch.setitem(triton_decode._state, "kernels", None)
+    monkeypatch.setitem(triton_decode._state, "why_not", None)
+    monkeypatch.setattr(triton_decode, "_build", lambda: 1 / 0)
+    assert triton_decode._kernels() is None
+    assert "ZeroDivisionError" in triton_decode.disabled()
+    q = torch.zeros(1, 1, 4, 8)
+    assert (
+        triton_decode.decode(q, q, q, None, None, None, scale=1.0, window_left=-1, need_lse=0)
+        is None
+    )
 
 
 @pytest.mark.parametrize("kind", ["BlockDiagonalMask", "BlockDiagonalCausalFromBottomRightMask"])

@@ -278,9 +278,10 @@ def kvcache(
     softcap: float = 0.0,
     alibi: bool = False,
 ) -> str:
-    """Route of a ``flash_attn_with_kvcache`` call. ``decode``: the decode kernel can take it
-    (:func:`attnguard.fallback.triton_decode.eligible`, and one query token on rows 0..B-1 of
-    the cache, no rotary, softcap or ALiBi); the other facts are asked only where it cannot."""
+    """Route of a ``flash_attn_with_kvcache`` call. ``decode``: one query token on rows 0..B-1
+    of the cache, no rotary, softcap or ALiBi: the decode kernel is tried first
+    (:func:`attnguard.fallback.triton_decode.decode` checks the rest and declines what it cannot
+    take); the other facts are asked only where it declines."""
     if decode:
         return "kvcache-decode"
     if flash_ok and contiguous and not (paged or batch_idx or leftpad or alibi) and softcap <= 0:

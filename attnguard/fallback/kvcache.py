@@ -195,7 +195,7 @@ def flash_attn_with_kvcache(
     q_per_position = window[0] >= 0 or window[1] >= 0
     # One query token on rows 0..B-1 of the cache and nothing the decode kernel does not
     # compute: the whole step in one launch, where Triton is here (triton_decode's module doc).
-    decode = (
+    if (
         sq == 1
         and rotary_cos is None
         and block_table is None
@@ -203,10 +203,9 @@ def flash_attn_with_kvcache(
         and cache_leftpad is None
         and alibi_slopes is None
         and softcap <= 0
-        and triton_decode.eligible(q, k_cache, v_cache, k, v, cache_seqlens)
+        and kernels.kvcache(decode=True) == "kvcache-decode"
         and not compiling()
-    )
-    if decode and kernels.kvcache(decode=True) == "kvcache-decode":
+    ):
         done = triton_decode.decode(
             q,
             k_cache,
@@ -220,7 +219,7 @@ def flash_attn_with_kvcache(
         )
         if done is not None:
             return done if return_softmax_lse else done[0]
-        # not usable here after all (triton_decode.disabled() says why): torch's kernels
+        # not a call it takes, or not usable here (triton_decode.disabled()): torch's kernels
     new_kv_fits = k is None or (
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
     )

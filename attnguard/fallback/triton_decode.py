@@ -41,7 +41,7 @@ BLOCK_N = 64  # keys per step of a program
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
-_state: dict[str, Any] = {"kernels": None, "why_not": None, "direct": True}
+_state: dict[str, Any] = {"kernels": None, "why_not": None}
 _lock = threading.Lock()
 # (device index, dtype, flags and constexprs) -> a compiled kernel, launched without Triton's
 # per-call argument binding (its specialisation key is ours: see _launch)
@@ -74,61 +74,7 @@ def _kernels() -> Any:
     return _state["kernels"]
 
 
-def eligible(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    k: Tensor | None,
-    v: Tensor | None,
-    cache_seqlens: int | Tensor | None,
-) -> bool:
-    """Whether this kernel can take the call (the caller has already excluded pages, batch
-    index, left padding, rotary, softcap and ALiBi). From metadata only: no tensor value read."""
-    if not q.is_cuda or _state["why_not"] is not None:
-        return False
-    qs, ks = q.shape, k_cache.shape
-    if qs[1] != 1:
-        return False
-    dt = q.dtype
-    if dt not in _HALF or k_cache.dtype is not dt or v_cache.dtype is not dt:
-        return False
-    d = qs[3]
-    if d > MAX_HEAD_DIM or d % 8 or ks[3] != d or v_cache.shape[3] != d:
-        return False
-    h, hk = qs[2], ks[2]
-    if hk == 0 or h % hk:
-        return False
-    dev = q.get_device()
-    if k_cache.get_device() != dev or v_cache.get_device() != dev:
-        return False
-    if k is not None:
-        if v is None or k.shape[1] != 1 or k.dtype is not dt or v.dtype is not dt:
-            return False
-        if k.get_device() != dev or v.get_device() != dev:
-            return False
-        if k.stride(-1) != 1 or v.stride(-1) != 1:
-            return False
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return False
-    if isinstance(cache_seqlens, Tensor):
-        if cache_seqlens.dtype is not torch.int32 or cache_seqlens.get_device() != dev:
-            return False
-        if cache_seqlens.dim() == 1 and cache_seqlens.stride(0) != 1:
-            return False
-    return torch.cuda.current_device() == dev
-
-
-def _splits(b: int, hk: int, capacity: int, device: int) -> int:
-    """Cache splits per (sequence, kv head): enough programs to fill the GPU (about two per
-    SM), none shorter than 256 keys."""
-    sms = _sms.get(device)
-    if sms is None:
-        sms = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = b * hk
-    if programs * 5 >= sms * 4:
-        return 1
-    want = -(-2 * sms // programs)
-    return max(1, min(want, -(-capacity // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+_NO_STRIDES = (0, 0, 0, 1)
 
 
 def decode(
@@ -144,101 +90,158 @@ def decode(
     need_lse: bool,
 ) -> tuple[Tensor, Tensor | None] | None:
     """The call on the kernel: (out (B, 1, H, D), lse (B, H, 1) float32 if ``need_lse``), or
-    None when the kernel cannot run here (nothing was written: the caller computes the call
-    another way). ``window_left``: flash-attn's normalised left window, -1 for none."""
-    kernels = _kernels()
-    if kernels is None:
+    None, with nothing written, where the kernel cannot take it (the caller has excluded pages,
+    batch index, left padding, rotary, softcap and ALiBi; the rest is checked here from
+    metadata, no tensor value read) or cannot run here (:func:`disabled`).
+    ``window_left``: flash-attn's normalised left window, -1 for none.
+
+    Every attribute is read once: on a GPU server's host a tensor attribute read costs a few
+    hundred nanoseconds, and this runs once per layer and token."""
+    if not q.is_cuda:
         return None
-    b, _, h, d = q.shape
-    capacity, hk = k_cache.shape[1], k_cache.shape[2]
+    kernels = _state["kernels"]
+    if kernels is None:
+        kernels = _kernels()
+        if kernels is None:
+            return None
+    b, sq_len, h, d = q.shape
+    kb, capacity, hk, kd = k_cache.shape
+    dt = q.dtype
+    if sq_len != 1 or d > MAX_HEAD_DIM or d & 7 or kd != d or v_cache.shape[3] != d:
+        return None
+    if hk == 0 or h % hk or k_cache.dtype is not dt or v_cache.dtype is not dt:
+        return None
+    dev = q.get_device()
+    if dev != _current_device() or k_cache.get_device() != dev or v_cache.get_device() != dev:
+        return None
     sq, sk, sv = q.stride(), k_cache.stride(), v_cache.stride()
-    new = k is not None
-    if new:
-        assert k is not None and v is not None
+    if k is not None:
+        assert v is not None
+        if k.shape[1] != 1 or k.dtype is not dt or v.dtype is not dt:
+            return None
+        if k.get_device() != dev or v.get_device() != dev:
+            return None
         sn, snv = k.stride(), v.stride()
-        kn, vn = k, v
+        kp, vp = k.data_ptr(), v.data_ptr()
     else:
-        sn = snv = (0, 0, 0, 1)
-        kn = vn = q
-    if isinstance(cache_seqlens, Tensor):
-        seq, seq_const, seq_stride = cache_seqlens, 0, 1 if cache_seqlens.dim() else 0
+        sn = snv = _NO_STRIDES
+        kp = vp = 0
+    seq_tensor = isinstance(cache_seqlens, Tensor)
+    if seq_tensor:
+        assert isinstance(cache_seqlens, Tensor)
+        if cache_seqlens.dtype is not torch.int32 or cache_seqlens.get_device() != dev:
+            return None
+        seq_stride = cache_seqlens.stride(0) if cache_seqlens.dim() else 0
+        seq_const, seqp = 0, cache_seqlens.data_ptr()
     else:
-        seq, seq_stride = q, 0
+        seq_stride, seqp = 0, 0
         seq_const = capacity if cache_seqlens is None else int(cache_seqlens)
     strides = (sq[0], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sn[0], sn[2])
     strides += (snv[0], snv[2])
-    if any(s % 8 for s in strides):
-        return None  # the kernel reads rows as 16-byte vectors: strides in multiples of 8
-    dev = q.get_device()
-    splits = _splits(b, hk, capacity, dev)
-    split_len = -(-capacity // splits)
-    split_len = -(-split_len // BLOCK_N) * BLOCK_N
-    splits = -(-capacity // split_len)
+    last = sq[3] | sk[3] | sv[3] | sn[3] | snv[3]
+    if last != 1 or (sq[0] | sq[2] | sk[0] | sk[1] | sk[2] | sv[0] | sv[1] | sv[2]) & 7:
+        return None  # rows are read as 16-byte vectors: unit last stride, others multiples of 8
+    if (sn[0] | sn[2] | snv[0] | snv[2]) & 7:
+        return None
+    layout = _layouts.get((b, hk, capacity, dev))
+    if layout is None:
+        layout = _layout(b, hk, capacity, dev)
+    splits, split_len = layout
     g = h // hk
-    out = torch.empty((b, 1, h, d), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, 1, h, d), dtype=dt, device=q.device)
     lse = torch.empty((b, h, 1), dtype=torch.float32, device=q.device) if need_lse else out
     part = out
     if splits > 1:
         part = torch.empty((b * h * splits * (d + 1),), dtype=torch.float32, device=q.device)
-    block_g = max(16, 1 << (g - 1).bit_length())
-    block_d = max(16, 1 << (d - 1).bit_length())
-    args = (
-        q, k_cache, v_cache, kn, vn, seq, part, out, lse,
-        seq_const, seq_stride, scale * _LOG2E, window_left, split_len, capacity, hk,
-        *(s // 8 for s in strides),
-        b * h * splits * d,
-    )  # fmt: skip
-    consts = (g, block_g, d, block_d, BLOCK_N, new, isinstance(cache_seqlens, Tensor))
-    consts += (splits == 1, need_lse)
-    if not _launch(kernels[0], (splits, b * hk, 1), args, consts, dev):
+    tensors = (q, k_cache, v_cache, k if k is not None else q, v if v is not None else q)
+    tensors += (cache_seqlens if seq_tensor else q, part, out, lse)  # type: ignore[assignment]
+    ptrs = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kp, vp, seqp)
+    ptrs += (part.data_ptr(), out.data_ptr(), lse.data_ptr())
+    lse_offset = b * h * splits * d
+    ints = (seq_const, seq_stride, scale * _LOG2E, window_left, split_len, capacity, hk)
+    ints += (*(x >> 3 for x in strides), lse_offset)
+    single = splits == 1
+    consts = (g, max(16, 1 << (g - 1).bit_length()), d, max(16, 1 << (d - 1).bit_length()))
+    consts += (BLOCK_N, k is not None, seq_tensor, single, need_lse)
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | kp | vp | seqp | ptrs[6] | ptrs[7] | ptrs[8]) & 15
+    key = (0, dev, dt, aligned, *consts)
+    grid = (splits, b * hk, 1)
+    if not _launch(kernels[0], key, grid, tensors, ptrs, ints, consts, dev):
         return None
-    if splits > 1:
+    if not single:
         block_s = max(2, 1 << (splits - 1).bit_length())
-        combine = (part, out, lse, splits, b * h * splits * d)
-        if not _launch(kernels[1], (b * h, 1, 1), combine, (d, block_d, block_s, need_lse), dev):
+        consts = (d, consts[3], block_s, need_lse)
+        key = (1, dev, dt, aligned, *consts)
+        grid = (b * h, 1, 1)
+        ints = (splits, lse_offset)
+        if not _launch(kernels[1], key, grid, (part, out, lse), ptrs[6:], ints, consts, dev):
             # the first kernel has appended: the caller's route appends the same values again
             return None
     return out, (lse if need_lse else None)
 
 
 _LOG2E = 1.0 / math.log(2.0)
+_layouts: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
 
-def _launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: tuple, dev: int) -> bool:
+def _current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _layout(b: int, hk: int, capacity: int, device: int) -> tuple[int, int]:
+    """(splits, keys per split) of a cache: enough programs to fill the GPU (about two per SM),
+    no split shorter than 256 keys; splits a multiple of the kernel's step."""
+    sms = _sms.get(device)
+    if sms is None:
+        sms = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = b * hk
+    if programs * 5 >= sms * 4:
+        splits = 1
+    else:
+        want = -(-2 * sms // programs)
+        splits = max(1, min(want, -(-capacity // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+    split_len = -(-capacity // splits)
+    split_len = max(BLOCK_N, -(-split_len // BLOCK_N) * BLOCK_N)
+    splits = max(1, -(-capacity // split_len))
+    if len(_layouts) > 1024:
+        _layouts.clear()
+    _layouts[(b, hk, capacity, device)] = (splits, split_len)
+    return splits, split_len
+
+
+def _launch(
+    kernel: Any,
+    key: tuple[Any, ...],
+    grid: tuple[int, int, int],
+    tensors: tuple[Tensor, ...],
+    ptrs: tuple[int, ...],
+    ints: tuple[Any, ...],
+    consts: tuple[Any, ...],
+    dev: int,
+) -> bool:
     """Launch ``kernel``: the first time per specialisation through Triton's own entry (which
-    compiles it), later directly. The key is what Triton specialises this kernel on: the
-    tensors' dtypes and 16-byte alignment (its ints are annotated int64 and never specialised),
-    the constexprs, the device. False where the kernel is not built yet and a CUDA graph is
-    being captured (building it there would break the capture), and (the kernel off for this
-    process) where the first launch fails: a kernel that does not build or load here. A later launch's error (the GPU's
-    state, out of memory) is the caller's, raised as torch would raise it."""
-    ptrs = [a for a in args if isinstance(a, Tensor)]
-    key = (kernel, dev, *(p.dtype for p in ptrs), *(p.data_ptr() % 16 == 0 for p in ptrs))
-    key += consts
-    compiled = _compiled.get(key)
-    hooks = _knobs_hooks()
-    if compiled is not None and hooks is None:
+    compiles it), later directly through its compiled launcher with the pointers as integers
+    (Triton's entry binds and checks every argument in Python at each call: tens of
+    microseconds per launch on a GPU server's host). ``key`` names what Triton specialises this
+    kernel on: the dtype, whether every pointer is 16-byte aligned (its ints are annotated
+    int64 and never specialised), the constexprs, the device. Returns False where the kernel is
+    not built yet and a CUDA graph is being captured (building it there would break the
+    capture), and (the kernel off for this process) where the first launch fails: a kernel
+    that does not build or load here. A later launch's error (the GPU's state, out of memory)
+    is the caller's, raised as torch would raise it."""
+    found = _compiled.get(key)
+    if found is not None:
+        launch, function, meta, coop, pdl = found
         stream = torch._C._cuda_getCurrentRawStream(dev)
-        try:
-            compiled.run(
-                grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                None, None, None, *args, *consts,
-            )  # fmt: skip
-        except Exception:
-            if key in _direct_ok:
-                raise
-            # this Triton launches its kernels otherwise: through its own entry from now on
-            _compiled.clear()
-            _state["direct"] = False
-        else:
-            _direct_ok.add(key)
-            return True
-    if dev >= 0 and torch.cuda.is_current_stream_capturing():
+        launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, meta,
+               None, None, None, *ptrs, *ints, *consts)  # fmt: skip
+        return True
+    if torch.cuda.is_current_stream_capturing():
         return False  # no compiling or loading inside a CUDA graph capture: torch's route
-    names = kernel.arg_names[len(args) :]
+    names = kernel.arg_names[len(tensors) + len(ints) :]
     try:
         compiled = kernel[grid](
-            *args, **dict(zip(names, consts, strict=True)), num_warps=4, num_stages=2
+            *tensors, *ints, **dict(zip(names, consts, strict=True)), num_warps=4, num_stages=2
         )
         if hasattr(compiled, "result"):
             compiled = compiled.result()
@@ -248,13 +251,36 @@ def _launch(kernel: Any, grid: tuple[int, int, int], args: tuple, consts: tuple,
         _disable(f"{type(exc).__name__}: {str(exc)[:300]}")
         return False
     _tried.add(key)
-    if hooks is None and compiled is not None and _state["direct"] and len(_compiled) < 512:
-        _compiled[key] = compiled
+    # Triton specialises each pointer on its alignment; the key says only "all aligned", so only
+    # those kernels are launched directly (an unaligned call binds through Triton each time)
+    direct = _direct_launch(compiled) if key[3] else None
+    if direct is not None and len(_compiled) < 512:
+        _compiled[key] = direct
     return True
 
 
+def _direct_launch(compiled: Any) -> tuple[Any, ...] | None:
+    """(launch function, kernel, metadata, cooperative, pdl) to launch a compiled kernel the way
+    Triton's launcher does, minus its Python: only where the launcher would add nothing (no
+    scratch memory, no tensor descriptors, no launch hooks) and the shapes are the ones this
+    module knows (Triton 3.x); None otherwise (Triton's own entry at every call)."""
+    try:
+        if _knobs_hooks() is not None:
+            return None
+        launcher = compiled.run
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        launch = launcher.launch
+        if getattr(launch, "__name__", "") != "launch":  # wrapped for tensor descriptors
+            return None
+        meta = compiled.packed_metadata
+        coop, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        return launch, compiled.function, meta, coop, pdl
+    except Exception:
+        return None
+
+
 _tried: set[tuple[Any, ...]] = set()  # launched through Triton's entry at least once
-_direct_ok: set[tuple[Any, ...]] = set()  # launched directly at least once
 
 
 def _knobs_hooks() -> Any:

@@ -94,19 +94,13 @@ def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
         if len(args) != 3 or "alibi_slopes" in kwargs:
             return None
         q, k, v = args
-        grad = sys.modules["torch"].is_grad_enabled() and bool(
-            getattr(q, "requires_grad", False)
-            or getattr(k, "requires_grad", False)
-            or getattr(v, "requires_grad", False)
-        )
-        shapes = getattr(q, "shape", None), getattr(k, "shape", None)
-        return (
-            *shapes,
-            getattr(q, "dtype", None),
-            getattr(q, "is_cuda", False),
-            grad,
-            *kwargs.items(),
-        )
+        try:  # tensors (the guard has read their dtypes): direct reads, the cheapest
+            grad = sys.modules["torch"].is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad
+            )
+            return (q.shape, k.shape, q.dtype, q.is_cuda, grad, *kwargs.items())
+        except (AttributeError, TypeError):
+            return None
     if entry != "flash_attn_with_kvcache" or not args:
         return None
     tensor = _TENSOR[0]

@@ -142,9 +142,10 @@ class _State:
         self.made: dict[tuple[Any, ...], Decision] = {}
         self.said: dict[tuple[Any, ...], bool] = {}  # bucket -> applied, as last said
         self.impls: dict[tuple[str, str], Any] = {}
-        self.calls: dict[tuple[Any, ...], int] = {}  # decided bucket -> eager calls served
-        # entry -> call signature -> (bucket or None for a call left alone, kernel or None,
-        # applied)
+        # decided bucket -> [eager calls served] (a cell: served signatures share it)
+        self.calls: dict[tuple[Any, ...], list[int]] = {}
+        # entry -> call signature -> (its bucket's call count, None for a call left alone;
+        # the kernel or None; applied)
         self.served: dict[str, dict[tuple[Any, ...], tuple[Any, Any, bool]]] = {}
         self.call_ms: dict[tuple[Any, ...], float] = {}  # decided bucket -> ms per call
         self.spent_s = 0.0  # races: probes and timed rounds
@@ -204,7 +205,8 @@ def situation(entry: Any, args: tuple, kwargs: dict, call: Call) -> Situation:
 def _attention_s() -> float:
     """What this process's eager calls of decided buckets spent in attention so far, estimated:
     each bucket's calls x the time per call measured for the kernel that serves it."""
-    return sum(n * _state.call_ms.get(b, 0.0) for b, n in list(_state.calls.items())) / 1e3
+    calls = list(_state.calls.items())
+    return sum(n[0] * _state.call_ms.get(b, 0.0) for b, n in calls) / 1e3
 
 
 def _kept(why: str, source: str = "not measured", differs: bool = False) -> Decision:
@@ -395,7 +397,7 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
             sig = hit = None
         if hit is not None and hit[2] is opts.apply:
             if hit[0] is not None:
-                _state.calls[hit[0]] += 1
+                hit[0][0] += 1  # the bucket's call count (a shared cell: no tuple hashed here)
             return hit[1]
     named = dict(zip(entry.params, args, strict=False))
     named.update(kwargs)
@@ -421,10 +423,13 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
                 _state.said[call.bucket] = opts.apply
                 _say(entry, call, decision, opts.apply)
     if not events.is_compiling():  # what the budget grows with (a traced graph's calls: not)
-        _state.calls[key] = _state.calls.get(key, 0) + 1
+        count = _state.calls.get(key)
+        if count is None:
+            count = _state.calls[key] = [0]
+        count[0] += 1
     if decision.winner == REQUESTED or not opts.apply:
         if sig is not None:
-            _remember(name, sig, key, None, opts.apply)
+            _remember(name, sig, _state.calls.get(key), None, opts.apply)
         return None
     impl = _state.impls.get((entry.name, decision.winner))
     if impl is None:
@@ -432,7 +437,7 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
         impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
         _state.impls[(entry.name, decision.winner)] = impl
     if sig is not None:
-        _remember(name, sig, key, impl, opts.apply)
+        _remember(name, sig, _state.calls.get(key), impl, opts.apply)
     return impl
 
 
@@ -456,10 +461,10 @@ def _is_compiling() -> bool:
 _COMPILING: list[Any] = [None]
 
 
-def _remember(name: str, sig: tuple, key: tuple | None, impl: Any, apply: bool) -> None:
+def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
     """Serve later calls of this signature straight away (bounded: a job whose shapes never
     repeat starts over rather than grow)."""
     served = _state.served[name]
     if len(served) >= _SERVED_MAX:
         served.clear()
-    served[sig] = (key, impl, apply)
+    served[sig] = (count, impl, apply)

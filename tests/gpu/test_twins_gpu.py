@@ -404,7 +404,8 @@ DECODE_CASES = {
 
 def decode_inputs(case, dtype):
     b, h, hk, d, cap, lens, new, win, lse = DECODE_CASES[case]
-    q, kc, vc = randn(b, 1, h, d, dtype=dtype, seed=60), randn(b, cap, hk, d, dtype=dtype, seed=61)
+    q = randn(b, 1, h, d, dtype=dtype, seed=60)
+    kc = randn(b, cap, hk, d, dtype=dtype, seed=61)
     vc = randn(b, cap, hk, d, dtype=dtype, seed=62)
     kw = {"causal": True, "window_size": win, "return_softmax_lse": lse}
     if lens is not None:
