@@ -38,7 +38,9 @@ Tensor = torch.Tensor
 _HALF = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 BLOCK_N = 64  # keys per step of a program
-_MIN_KEYS_PER_SPLIT = 256
+# a second launch (the combine) costs the host more than a short cache costs one program: no
+# split shorter than this (measured on an H100: a 1k cache is faster unsplit, an 8k one split)
+_MIN_KEYS_PER_SPLIT = 1024
 _MAX_SPLITS = 64
 
 _state: dict[str, Any] = {"kernels": None, "why_not": None}
@@ -190,7 +192,7 @@ def _current_device() -> int:
 
 def _layout(b: int, hk: int, capacity: int, device: int) -> tuple[int, int]:
     """(splits, keys per split) of a cache: enough programs to fill the GPU (about two per SM),
-    no split shorter than 256 keys; splits a multiple of the kernel's step."""
+    no split shorter than 1024 keys; splits a multiple of the kernel's step."""
     sms = _sms.get(device)
     if sms is None:
         sms = _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
@@ -199,7 +201,7 @@ def _layout(b: int, hk: int, capacity: int, device: int) -> tuple[int, int]:
         splits = 1
     else:
         want = -(-2 * sms // programs)
-        splits = max(1, min(want, -(-capacity // _MIN_KEYS_PER_SPLIT), _MAX_SPLITS))
+        splits = max(1, min(want, capacity // _MIN_KEYS_PER_SPLIT, _MAX_SPLITS))
     split_len = -(-capacity // splits)
     split_len = max(BLOCK_N, -(-split_len // BLOCK_N) * BLOCK_N)
     splits = max(1, -(-capacity // split_len))
@@ -285,14 +287,16 @@ _tried: set[tuple[Any, ...]] = set()  # launched through Triton's entry at least
 
 def _knobs_hooks() -> Any:
     """Triton's launch hooks (profilers set them): with one set, every launch goes through
-    Triton's own entry, which calls them."""
+    Triton's own entry, which calls them. Triton 3.6 keeps them as chains (empty: none set),
+    earlier releases as a callable or None."""
     knobs = _state.get("knobs")
     if knobs is None:
         return None
     rt = knobs.runtime
-    if rt.launch_enter_hook is None and rt.launch_exit_hook is None:
-        return None
-    return rt
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return rt
+    return None
 
 
 def _build() -> tuple[Any, Any, Any]:
