@@ -325,32 +325,48 @@ def _closure(
     rt = runtime
     slow = functools.partial(_slow, entry=entry)
     selectable = entry.kind == FLASH_KERNEL and entry.name in SELECTED_ENTRIES
+    # flash_attn_func's selection signature holds every fact check() reads: a call served
+    # before under fastest passed the check then and passes it now (unless a site is latched)
+    presigned = selectable and entry.name == "flash_attn_func"
+    name = entry.name
+    lat = latched
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
         settings = rt._settings
         if settings.enabled:
-            try:
-                bad = check(args, kwargs)
-            except Exception:
-                bad = True  # an odd input makes a check raise: the slow path, never the user
-            if bad:
-                site = entry.site or _registry_site(entry.name, args)
-                return _fail_open(site, original, slow, args, kwargs)
-            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
-                # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
-                serve, made = _serve[0], _options
-                if serve is not None and made is not None and made[0] is settings:
-                    try:
-                        faster = serve(entry, args, kwargs, made[1])
-                    except Exception as exc:
-                        faster = _selection_failed(entry, exc)
-                else:
-                    faster = _faster_kernel(entry, settings, args, kwargs)
-                if faster is not None:
-                    try:
-                        return faster(args, kwargs)
-                    except Exception as exc:
-                        return _faster_kernel_failed(entry, exc, args, kwargs)
+            fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
+            faster = _UNSERVED
+            made = _options
+            if fastest and presigned and not lat and made is not None and made[0] is settings:
+                served = _serve[1]
+                try:  # a decided bucket, found by signature: a decode loop's every call
+                    faster = served(name, args, kwargs, made[1].apply) if served else faster
+                except Exception:
+                    faster = _UNSERVED
+            if faster is _UNSERVED:
+                try:
+                    bad = check(args, kwargs)
+                except Exception:
+                    bad = True  # an odd input makes a check raise: the slow path, never the user
+                if bad:
+                    site = entry.site or _registry_site(entry.name, args)
+                    return _fail_open(site, original, slow, args, kwargs)
+                faster = None
+                if fastest:
+                    # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
+                    serve = _serve[0]
+                    if serve is not None and made is not None and made[0] is settings:
+                        try:
+                            faster = serve(entry, args, kwargs, made[1])
+                        except Exception as exc:
+                            faster = _selection_failed(entry, exc)
+                    else:
+                        faster = _faster_kernel(entry, settings, args, kwargs)
+            if faster is not None:
+                try:
+                    return faster(args, kwargs)
+                except Exception as exc:
+                    return _faster_kernel_failed(entry, exc, args, kwargs)
         try:
             return original(*args, **kwargs)
         except Exception as exc:
@@ -401,9 +417,9 @@ def _faster_kernel(
     try:
         serve = _serve[0]
         if serve is None:  # imported once: an import statement costs a decode step's budget
-            from .selection.decisions import serve
+            from .selection.decisions import serve, served
 
-            _serve[0] = serve
+            _serve[:] = [serve, served]
         return serve(entry, args, kwargs, _selection_options(settings))
     except Exception as exc:
         return _selection_failed(entry, exc)
@@ -418,7 +434,8 @@ def _selection_failed(entry: Entry, exc: Exception) -> None:
 
 
 _options: tuple[Settings, Any] | None = None  # the settings in force and their Options
-_serve: list[Any] = [None]  # attnguard.selection.decisions.serve, once imported
+_serve: list[Any] = [None, None]  # selection.decisions' serve and served, once imported
+_UNSERVED = object()
 
 
 def _selection_options(settings: Settings) -> Any:

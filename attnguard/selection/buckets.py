@@ -89,7 +89,8 @@ def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     one entry have equal buckets. None
     where there is no cheap signature (another entry: a varlen bucket reads ``max_seqlen``
     values; ``flash_attn_func`` given its tensors by name or ALiBi slopes). Hashing it raises
-    TypeError for an unhashable argument."""
+    TypeError for an unhashable argument. A ``flash_attn_func`` signature also holds every fact
+    the call guard checks (the three tensors' dtypes and devices, the head dim in the shape)."""
     if entry == "flash_attn_func":
         if len(args) != 3 or "alibi_slopes" in kwargs:
             return None
@@ -98,7 +99,11 @@ def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
             grad = sys.modules["torch"].is_grad_enabled() and (
                 q.requires_grad or k.requires_grad or v.requires_grad
             )
-            return (q.shape, k.shape, q.dtype, q.is_cuda, grad, *kwargs.items())
+            # with the dtypes and devices of all three: what the call guard checks, so a call
+            # whose signature was served once passes the guard's check (callguard)
+            devices = q.get_device(), k.get_device(), v.get_device()
+            dtypes = q.dtype, k.dtype, v.dtype
+            return (q.shape, k.shape, *dtypes, *devices, q.is_cuda, grad, *kwargs.items())
         except (AttributeError, TypeError):
             return None
     if entry != "flash_attn_with_kvcache" or not args:

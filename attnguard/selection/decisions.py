@@ -386,19 +386,18 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     not for the bucket's computation (the budget of "decided bucket costs <= 2 µs over the
     kernel that serves it", docs/benchmarks.md)."""
     name = entry.name
+    try:
+        found = served(name, args, kwargs, opts.apply)
+    except TypeError:  # an unhashable argument: the bucket's way
+        found = UNSERVED
+    if found is not UNSERVED:
+        return found
     sig = None if _is_compiling() else buckets.signature(name, args, kwargs)
     if sig is not None:
-        served = _state.served.get(name)
-        if served is None:
-            served = _state.served[name] = {}
         try:
-            hit = served.get(sig)
-        except TypeError:  # an unhashable argument: the bucket's way
-            sig = hit = None
-        if hit is not None and hit[2] is opts.apply:
-            if hit[0] is not None:
-                hit[0][0] += 1  # the bucket's call count (a shared cell: no tuple hashed here)
-            return hit[1]
+            hash(sig)
+        except TypeError:
+            sig = None
     named = dict(zip(entry.params, args, strict=False))
     named.update(kwargs)
     key = buckets.bucket(entry.name, named)
@@ -442,6 +441,26 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
 
 
 _SERVED_MAX = 4096
+UNSERVED = object()  # served(): no decision served for this call's signature yet
+
+
+def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
+    """The kernel a decided bucket serves this call with (None: the requested kernel), found by
+    the call's :func:`buckets.signature` alone; :data:`UNSERVED` where that signature has not
+    been served yet (or the mode changed since, or inside a trace): :func:`serve` decides.
+    Raises TypeError for an unhashable argument."""
+    if _is_compiling():
+        return UNSERVED
+    sig = buckets.signature(name, args, kwargs)
+    table = _state.served.get(name) if sig is not None else None
+    if table is None:
+        return UNSERVED
+    hit = table.get(sig)
+    if hit is None or hit[2] is not apply:
+        return UNSERVED
+    if hit[0] is not None:
+        hit[0][0] += 1  # the bucket's call count (a shared cell: no tuple hashed here)
+    return hit[1]
 
 
 def _is_compiling() -> bool:
@@ -464,7 +483,7 @@ _COMPILING: list[Any] = [None]
 def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
     """Serve later calls of this signature straight away (bounded: a job whose shapes never
     repeat starts over rather than grow)."""
-    served = _state.served[name]
-    if len(served) >= _SERVED_MAX:
-        served.clear()
-    served[sig] = (count, impl, apply)
+    table = _state.served.get(name)
+    if table is None or len(table) >= _SERVED_MAX:
+        table = _state.served[name] = {}
+    table[sig] = (count, impl, apply)
