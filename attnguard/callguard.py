@@ -50,6 +50,7 @@ from .routing import (
     classify_kernel_error,
 )
 from .selection.buckets import SELECTED_ENTRIES
+from .selection.buckets import UNSERVED as _UNSERVED
 
 __all__ = [
     "KNOWN_KERNEL_ERRORS",
@@ -435,7 +436,6 @@ def _selection_failed(entry: Entry, exc: Exception) -> None:
 
 _options: tuple[Settings, Any] | None = None  # the settings in force and their Options
 _serve: list[Any] = [None, None]  # selection.decisions' serve and served, once imported
-_UNSERVED = object()
 
 
 def _selection_options(settings: Settings) -> Any:

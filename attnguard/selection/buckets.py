@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REQUESTED = "requested"
+UNSERVED = object()  # decisions.served(): no decision served for this call's signature yet
 # max |candidate - requested| / max |requested|, outputs and gradients (the dtype's rounding:
 # bf16 keeps 8 bits, fp16 11; accumulated over a softmax row in a different order)
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}

@@ -441,7 +441,7 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
 
 
 _SERVED_MAX = 4096
-UNSERVED = object()  # served(): no decision served for this call's signature yet
+UNSERVED = buckets.UNSERVED
 
 
 def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
