@@ -50,6 +50,7 @@ from .routing import (
     classify_kernel_error,
 )
 from .selection.buckets import SELECTED_ENTRIES
+from .selection.buckets import UNSERVED as _UNSERVED
 
 __all__ = [
     "KNOWN_KERNEL_ERRORS",
@@ -325,21 +326,48 @@ def _closure(
     rt = runtime
     slow = functools.partial(_slow, entry=entry)
     selectable = entry.kind == FLASH_KERNEL and entry.name in SELECTED_ENTRIES
+    # flash_attn_func's selection signature holds every fact check() reads: a call served
+    # before under fastest passed the check then and passes it now (unless a site is latched)
+    presigned = selectable and entry.name == "flash_attn_func"
+    name = entry.name
+    lat = latched
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
         settings = rt._settings
         if settings.enabled:
-            try:
-                bad = check(args, kwargs)
-            except Exception:
-                bad = True  # an odd input makes a check raise: the slow path, never the user
-            if bad:
-                site = entry.site or _registry_site(entry.name, args)
-                return _fail_open(site, original, slow, args, kwargs)
-            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
-                faster = _faster_kernel(entry, settings, args, kwargs)
-                if faster is not None:
-                    return _on_faster_kernel(entry, faster, args, kwargs)
+            fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
+            faster = _UNSERVED
+            made = _options
+            if fastest and presigned and not lat and made is not None and made[0] is settings:
+                served = _serve[1]
+                try:  # a decided bucket, found by signature: a decode loop's every call
+                    faster = served(name, args, kwargs, made[1].apply) if served else faster
+                except Exception:
+                    faster = _UNSERVED
+            if faster is _UNSERVED:
+                try:
+                    bad = check(args, kwargs)
+                except Exception:
+                    bad = True  # an odd input makes a check raise: the slow path, never the user
+                if bad:
+                    site = entry.site or _registry_site(entry.name, args)
+                    return _fail_open(site, original, slow, args, kwargs)
+                faster = None
+                if fastest:
+                    # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
+                    serve = _serve[0]
+                    if serve is not None and made is not None and made[0] is settings:
+                        try:
+                            faster = serve(entry, args, kwargs, made[1])
+                        except Exception as exc:
+                            faster = _selection_failed(entry, exc)
+                    else:
+                        faster = _faster_kernel(entry, settings, args, kwargs)
+            if faster is not None:
+                try:
+                    return faster(args, kwargs)
+                except Exception as exc:
+                    return _faster_kernel_failed(entry, exc, args, kwargs)
         try:
             return original(*args, **kwargs)
         except Exception as exc:
@@ -388,18 +416,26 @@ def _faster_kernel(
 ) -> Any:
     """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
     try:
-        from .selection.decisions import serve
+        serve = _serve[0]
+        if serve is None:  # imported once: an import statement costs a decode step's budget
+            from .selection.decisions import serve, served
 
+            _serve[:] = [serve, served]
         return serve(entry, args, kwargs, _selection_options(settings))
     except Exception as exc:
-        if not events.is_compiling():
-            from .patching import report_internal_error
+        return _selection_failed(entry, exc)
 
-            report_internal_error(f"{entry.site}.select", exc)
-        return None
+
+def _selection_failed(entry: Entry, exc: Exception) -> None:
+    """The selection raised: attnguard's error, reported once; the requested kernel computes."""
+    if not events.is_compiling():
+        from .patching import report_internal_error
+
+        report_internal_error(f"{entry.site}.select", exc)
 
 
 _options: tuple[Settings, Any] | None = None  # the settings in force and their Options
+_serve: list[Any] = [None, None]  # selection.decisions' serve and served, once imported
 
 
 def _selection_options(settings: Settings) -> Any:
@@ -421,19 +457,16 @@ def _selection_options(settings: Settings) -> Any:
     return made[1]
 
 
-def _on_faster_kernel(
-    entry: Entry, impl: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+def _faster_kernel_failed(
+    entry: Entry, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The selected kernel computes the call; should it fail (a call unlike the ones it was
-    measured on), that is attnguard's error: reported once, and the requested kernel computes."""
-    try:
-        return impl(args, kwargs)
-    except Exception as exc:
-        if events.is_compiling():
-            raise
-        from .patching import report_internal_error
+    """The selected kernel failed (a call unlike the ones it was measured on): attnguard's
+    error, reported once, and the requested kernel computes the call."""
+    if events.is_compiling():
+        raise exc
+    from .patching import report_internal_error
 
-        report_internal_error(f"{entry.site}.selected", exc)
+    report_internal_error(f"{entry.site}.selected", exc)
     return entry.original(*args, **kwargs)
 
 

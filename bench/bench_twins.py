@@ -503,14 +503,11 @@ def part_generate(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def part_decode_model(args: argparse.Namespace) -> list[str]:
+def decoder(layers: int, hidden: int, h: int, hk: int, d: int) -> Any:
+    """A decoder of ``layers`` layers (bf16, on DEV) whose attention is a
+    ``flash_attn_with_kvcache``-shaped function passed at each call (custom models' way)."""
     import torch
     import torch.nn as nn
-
-    from attnguard import fallback
-
-    fi = real_flash()
-    layers, hidden, h, hk, d = DECODER
 
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -538,7 +535,15 @@ def part_decode_model(args: argparse.Namespace) -> list[str]:
 
     torch.manual_seed(0)
     with torch.device(DEV):
-        model = nn.ModuleList(Layer() for _ in range(layers)).to(torch.bfloat16)
+        return nn.ModuleList(Layer() for _ in range(layers)).to(torch.bfloat16)
+
+
+def part_decode_model(args: argparse.Namespace) -> list[str]:
+    from attnguard import fallback
+
+    fi = real_flash()
+    layers, hidden, h, hk, d = DECODER
+    model = decoder(layers, hidden, h, hk, d)
     lines = []
     for b, ctx in DECODE_SHAPES:
         real = decode_step(model, fi.flash_attn_with_kvcache, b, ctx, hk, d, hidden)

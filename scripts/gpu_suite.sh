@@ -26,7 +26,8 @@
 #             (one rank per GPU) in one pytest process; test_multigpu_gpu.py and
 #             test_examples_gpu.py in another; test_call_gpu.py in a third
 #             (SUITE_MULTIGPU_FILES names files for one process instead)
-#   bench     SUITE_BENCHES (default "bench_twins bench_kernel"; bench_fallback too when named)
+#   bench     SUITE_BENCHES (default "bench_twins bench_kernel bench_kvcache bench_generate", the
+#             last two in short versions; bench_fallback too when named)
 #             with the real flash-attn on PYTHONPATH, GPU 0, one after the other, then
 #             bench/bench_multigpu.py (two GPUs). bench_forward.py / bench_load.py only with
 #             SUITE_BENCH_EXTRA=1 and time left (they do not involve flash-attn's kernel)
@@ -36,7 +37,8 @@
 # Time: the device tool stops a command at 600 s, so the whole script keeps to SUITE_BUDGET_S
 # (default 560 s). Every part has a hard limit (its whole process tree is killed at it):
 # SUITE_TESTS_LIMIT_S (default 330, tests and multigpu), SUITE_BENCH_TWINS_S (200),
-# SUITE_BENCH_KERNEL_S (260), SUITE_BENCH_FALLBACK_S (200),
+# SUITE_BENCH_KERNEL_S (260), SUITE_BENCH_KVCACHE_S (60), SUITE_BENCH_GENERATE_S (100),
+# SUITE_BENCH_FALLBACK_S (200),
 # SUITE_BENCH_MULTIGPU_S (150), each cut to what the budget has left. Run the parts in two calls
 # (SUITE_PARTS="tests multigpu", then SUITE_PARTS=bench) to give each more time.
 #
@@ -346,14 +348,19 @@ bench() {  # NAME LIMIT_S ENV... -- CMD...
 if [[ $parts == *" bench "* ]]; then
   reserve=$((ngpu >= 2 ? 60 : 0))
   real_path="${TEST_REAL_FLASH_ATTN_DIR:-/nonexistent}:$PYTHONPATH"
-  for b in ${SUITE_BENCHES:-bench_twins bench_kernel}; do
+  for b in ${SUITE_BENCHES:-bench_twins bench_kernel bench_kvcache bench_generate}; do
+    args=()
     case "$b" in
       bench_twins) lim=${SUITE_BENCH_TWINS_S:-200} ;;
       bench_kernel) lim=${SUITE_BENCH_KERNEL_S:-260} ;;
+      # short versions: the KV-cache twin per call and per decode step against the real kernel;
+      # generate / a decode step / host µs per call without attnguard, guarded and fastest
+      bench_kvcache) lim=${SUITE_BENCH_KVCACHE_S:-60} args=(--parts calls,step --rounds 3 --iters 50) ;;
+      bench_generate) lim=${SUITE_BENCH_GENERATE_S:-100} args=(--rounds 6 --seconds 45) ;;
       *) lim=${SUITE_BENCH_FALLBACK_S:-200} ;;
     esac
     bench "$b" "$(min "$lim" $(($(left) - 15 - reserve)))" \
-      env CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$real_path" python3 "bench/$b.py"
+      env CUDA_VISIBLE_DEVICES=0 PYTHONPATH="$real_path" python3 "bench/$b.py" ${args[@]+"${args[@]}"}
   done
   if [ "$ngpu" -ge 2 ]; then
     bench bench_multigpu "$(min "${SUITE_BENCH_MULTIGPU_S:-150}" $(($(left) - 15)))" \

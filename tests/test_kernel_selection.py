@@ -846,3 +846,90 @@ def test_the_selection_package_sits_below_the_call_guard():
     for path in files:
         targets = set(_imported(path, "attnguard.selection"))
         assert not targets & set(_ABOVE), (path.name, sorted(targets & set(_ABOVE)))
+
+
+# --- a decode loop: calls served by their signature ----------------------------------------
+
+
+def _meta(*shape):
+    """Tensors the guard checks like CUDA ones (not CPU: flash-attn takes them) at no cost."""
+    return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+
+@pytest.fixture
+def signed(monkeypatch):
+    """A guarded flash_attn_func (a recording kernel) under fastest on CPU: meta tensors stand
+    in for CUDA ones, every bucket is decided for a winner that records too, and each bucket
+    computed is counted."""
+    from attnguard import callguard, routing
+
+    ran: list[tuple[str, int]] = []
+
+    def original(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):  # fmt: skip
+        ran.append(("requested", q.shape[0]))
+        return q
+
+    def winner(a, kw):
+        ran.append(("sdpa", a[0].shape[0]))
+        return a[0]
+
+    computed = []
+
+    def bucket(entry, named):  # a CUDA call's bucket: the batch decides which one
+        computed.append(named["q"].shape[0])
+        b = named["q"].shape[0]
+        return ("flash_attn_func", "bfloat16", 64, 4, 2, True, (-1, -1), False, False, True, b)
+
+    winners = {1: "sdpa", 2: REQUESTED}
+    monkeypatch.setattr(buckets, "bucket", bucket)
+    monkeypatch.setattr(
+        decisions,
+        "decide",
+        lambda entry, args, kwargs, call, opts: decisions.Decision(
+            winners[call.bucket[-1]], {"sdpa": "test", REQUESTED: "test"}
+        ),
+    )
+    monkeypatch.setattr(race, "implementations", lambda *a: {"sdpa": winner})
+    entry = callguard.Entry(
+        "flash_attn_func",
+        routing.FLASH_KERNEL,
+        original,
+        tensors=("q", "k", "v"),
+        twin=original,
+        site="flash_attn.flash_attn_func",
+        aux=("alibi_slopes",),
+    )
+    decisions.reset()
+    attnguard.activate(log="none", kernel="fastest")
+    yield callguard.wrap_direct(entry), ran, computed
+    decisions.reset()
+
+
+def test_a_decode_loop_is_served_by_signature_and_new_shapes_are_decided(signed):
+    """Under fastest every call of a decided bucket computes on its winner (or the requested
+    kernel), each new signature is decided once, repeated ones are served without computing
+    a bucket, and the switch reports no error of its own."""
+    guarded, ran, computed = signed
+    with events.capture() as seen:
+        for b in (1, 1, 2, 2, 1, 2, 1):
+            guarded(_meta(b, 1, 4, 64), _meta(b, 16, 2, 64), _meta(b, 16, 2, 64), causal=True)
+    assert ran == [("sdpa" if b == 1 else "requested", b) for b in (1, 1, 2, 2, 1, 2, 1)]
+    # a new signature's bucket is computed (twice: the bucket, then its description) when it is
+    # decided; the repeats are served by signature
+    assert computed == [1, 1, 2, 2]
+    assert not [e for e in seen if e["event"] == "internal_error"], seen
+    (count,) = [c for c in decisions._state.calls.values() if c[0] == 4]  # b=1 counted 4 times
+    assert count == [4]
+
+
+def test_a_signature_served_before_is_checked_again_where_a_tensor_differs(signed):
+    """A served signature holds every fact the guard checks: a call whose key has another dtype
+    than before is not served from it but checked, and remedied (unified), as without the
+    switch."""
+    guarded, ran, computed = signed
+    q, k = _meta(1, 1, 4, 64), _meta(1, 16, 2, 64)
+    guarded(q, k, k, causal=True)
+    with events.capture() as seen:
+        guarded(q, k.float(), k, causal=True)
+    assert [e["event"] for e in seen if e["event"] != "kernel_selected"] == ["qkv_unified"]

@@ -73,10 +73,11 @@ def test_every_row_is_reachable_from_its_route_function():
                 flash_ok=ok, softcap=float(cap), alibi=alibi, paged=paged, compiling=comp
             )
         )
-    for flags in itertools.product(*[(True, False)] * 7):
-        ok, contiguous, paged, batch_idx, leftpad, cap, alibi = flags
+    for flags in itertools.product(*[(True, False)] * 8):
+        decode, ok, contiguous, paged, batch_idx, leftpad, cap, alibi = flags
         seen["kvcache"].add(
             kernels.kvcache(
+                decode=decode,
                 flash_ok=ok,
                 contiguous=contiguous,
                 paged=paged,
@@ -93,6 +94,7 @@ def test_every_row_is_reachable_from_its_route_function():
     for call, ids in seen.items():
         assert ids == {r.id for r in kernels.TABLE if r.call == call}, call
     kinds = {"torch_flash", "sdpa", "sdpa_mask", "explicit", "per_sequence", "padded"}
+    kinds.add("triton_decode")
     for row in kernels.TABLE:
         assert row.kernel in kinds and row.when and row.why
         assert f"``{row.kernel}``" in kernels.__doc__  # the module's prose names every kernel
@@ -296,6 +298,43 @@ def test_kvcache_fast_path_leaves_other_rows_of_the_cache_alone(emulated):
     fb.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     changed = (kc != before).any(dim=(2, 3)).nonzero().tolist()
     assert changed == [[0, 3], [1, 0], [2, 11]]  # one new key per row, at its length
+
+
+def test_kvcache_decode_kernel_that_cannot_run_leaves_the_call_to_torchs_kernels(
+    emulated, monkeypatch
+):
+    """Where the decode kernel is asked but declines (Triton absent, a build or first launch
+    that fails, a call it does not take), the call is computed by the next row of the table,
+    with the same appends and numbers as a call never offered to it."""
+    from attnguard.fallback import triton_decode
+
+    asked = []
+    monkeypatch.setattr(triton_decode, "decode", lambda *a, **k: asked.append(1))
+    q, kc, vc, k, v, kw = kvcache_case(i32([3, 0, 11]), False)
+    kw.update(causal=True, return_softmax_lse=True)
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    out, lse = fb.flash_attn_with_kvcache(q, kc1, vc1, k, v, **kw)
+    assert asked and emulated, "the decode row first, then torch's flash kernel"
+    monkeypatch.setattr(kernels, "kvcache", lambda decode=False, **f: "kvcache-general")
+    ref, ref_lse = without_flash(fb.flash_attn_with_kvcache, q, kc2, vc2, k, v, **kw)
+    close(out, ref)
+    close(lse, ref_lse)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+
+
+def test_kvcache_decode_kernel_without_triton_declines_and_says_why(monkeypatch):
+    from attnguard.fallback import triton_decode
+
+    monkeypatch.setitem(triton_decode._state, "kernels", None)
+    monkeypatch.setitem(triton_decode._state, "why_not", None)
+    monkeypatch.setattr(triton_decode, "_build", lambda: 1 / 0)
+    assert triton_decode._kernels() is None
+    assert "ZeroDivisionError" in triton_decode.disabled()
+    q = torch.zeros(1, 1, 4, 8)
+    assert (
+        triton_decode.decode(q, q, q, None, None, None, scale=1.0, window_left=-1, need_lse=0)
+        is None
+    )
 
 
 @pytest.mark.parametrize("kind", ["BlockDiagonalMask", "BlockDiagonalCausalFromBottomRightMask"])

@@ -23,6 +23,9 @@ The kernels, fastest first where they apply:
   neither torch's flash kernel nor torch's deterministic flag gives one.
 * ``per_sequence``: a packed call split at ``cu_seqlens`` (read on the host) into batches of
   equal-length sequences, each computed as a dense call (rows above).
+* ``triton_decode``: attnguard's own Triton kernel for one decode step of a KV cache
+  (:mod:`.triton_decode`): the append and the attention in one launch, where Triton imports and
+  the call is the common decode call.
 * ``padded``: a packed call gathered into a padded (sequences x max_seqlen) batch with masks per
   sequence, nothing read on the host (torch.compile, KV caches the fast path cannot take).
 
@@ -54,7 +57,7 @@ class Route:
 
     id: str
     call: str  # dense | varlen | kvcache | xformers
-    kernel: str  # torch_flash | sdpa | sdpa_mask | explicit | per_sequence | padded
+    kernel: str  # torch_flash | sdpa | sdpa_mask | explicit | per_sequence | padded | triton_decode
     when: str
     why: str
 
@@ -156,6 +159,16 @@ TABLE: tuple[Route, ...] = (
     ),
     # --- flash_attn_with_kvcache ---
     Route(
+        "kvcache-decode",
+        "kvcache",
+        "triton_decode",
+        "one query token, at most one new token, rows 0..B-1 of the cache (no block_table, "
+        "cache_batch_idx, cache_leftpad, rotary, softcap or ALiBi), fp16/bf16 on a CUDA GPU, "
+        "head_dim <= 256 and a multiple of 8, Triton importable, not under torch.compile",
+        "a decode step is bound by the host: one Triton launch (two for a split cache) appends "
+        "and attends, where torch's ops take five; the cache split over the whole GPU",
+    ),
+    Route(
         "kvcache-flash",
         "kvcache",
         "torch_flash",
@@ -256,15 +269,21 @@ def varlen(*, flash_ok: bool, softcap: float, alibi: bool, paged: bool, compilin
 
 def kvcache(
     *,
-    flash_ok: bool,
-    contiguous: bool,
-    paged: bool,
-    batch_idx: bool,
-    leftpad: bool,
-    softcap: float,
-    alibi: bool,
+    decode: bool = False,
+    flash_ok: bool = False,
+    contiguous: bool = False,
+    paged: bool = False,
+    batch_idx: bool = False,
+    leftpad: bool = False,
+    softcap: float = 0.0,
+    alibi: bool = False,
 ) -> str:
-    """Route of a ``flash_attn_with_kvcache`` call."""
+    """Route of a ``flash_attn_with_kvcache`` call. ``decode``: one query token on rows 0..B-1
+    of the cache, no rotary, softcap or ALiBi: the decode kernel is tried first
+    (:func:`attnguard.fallback.triton_decode.decode` checks the rest and declines what it cannot
+    take); the other facts are asked only where it declines."""
+    if decode:
+        return "kvcache-decode"
     if flash_ok and contiguous and not (paged or batch_idx or leftpad or alibi) and softcap <= 0:
         return "kvcache-flash"
     return "kvcache-general"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, torch_flash
+from . import kernels, torch_flash, triton_decode
 from .dense import flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -193,6 +193,33 @@ def flash_attn_with_kvcache(
     window = normalize_window(window_size, causal, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
     q_per_position = window[0] >= 0 or window[1] >= 0
+    # One query token on rows 0..B-1 of the cache and nothing the decode kernel does not
+    # compute: the whole step in one launch, where Triton is here (triton_decode's module doc).
+    if (
+        sq == 1
+        and rotary_cos is None
+        and block_table is None
+        and cache_batch_idx is None
+        and cache_leftpad is None
+        and alibi_slopes is None
+        and softcap <= 0
+        and kernels.kvcache(decode=True) == "kvcache-decode"
+        and not compiling()
+    ):
+        done = triton_decode.decode(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            scale=scale,
+            window_left=window[0],
+            need_lse=return_softmax_lse,
+        )
+        if done is not None:
+            return done if return_softmax_lse else done[0]
+        # not a call it takes, or not usable here (triton_decode.disabled()): torch's kernels
     new_kv_fits = k is None or (
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
     )

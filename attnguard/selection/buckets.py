@@ -13,12 +13,12 @@ may compute it (pure: no tensor value read, no side effect; it runs inside torch
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 REQUESTED = "requested"
+UNSERVED = object()  # decisions.served(): no decision served for this call's signature yet
 # max |candidate - requested| / max |requested|, outputs and gradients (the dtype's rounding:
 # bf16 keeps 8 bits, fp16 11; accumulated over a softmax row in a different order)
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -79,7 +79,68 @@ SDPA_BACKENDS["sdpa_efficient"] = "EFFICIENT_ATTENTION"
 
 def _pow2(n: int) -> int:
     """n rounded up to a power of two (0 stays 0)."""
-    return 0 if n <= 0 else 2 ** math.ceil(math.log2(n))
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What the bucket of a ``flash_attn_func`` or ``flash_attn_with_kvcache`` call depends on,
+    read cheaply (a decode loop asks at every call): the tensors' shapes (these buckets read
+    tensors' shapes and presence only), every other argument as passed, the query's dtype and
+    device kind, whether autograd records and any tensor needs gradients. Equal signatures of
+    one entry have equal buckets. None
+    where there is no cheap signature (another entry: a varlen bucket reads ``max_seqlen``
+    values; ``flash_attn_func`` given its tensors by name or ALiBi slopes). Hashing it raises
+    TypeError for an unhashable argument. A ``flash_attn_func`` signature also holds every fact
+    the call guard checks (the three tensors' dtypes and devices, the head dim in the shape)."""
+    if entry == "flash_attn_func":
+        if len(args) != 3 or "alibi_slopes" in kwargs:
+            return None
+        q, k, v = args
+        try:  # tensors (the guard has read their dtypes): direct reads, the cheapest
+            grad = sys.modules["torch"].is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad
+            )
+            # with the dtypes and devices of all three: what the call guard checks, so a call
+            # whose signature was served once passes the guard's check (callguard)
+            devices = q.get_device(), k.get_device(), v.get_device()
+            dtypes = q.dtype, k.dtype, v.dtype
+            return (q.shape, k.shape, *dtypes, *devices, q.is_cuda, grad, *kwargs.items())
+        except (AttributeError, TypeError):
+            return None
+    if entry != "flash_attn_with_kvcache" or not args:
+        return None
+    tensor = _TENSOR[0]
+    if tensor is None:
+        tensor = _TENSOR[0] = sys.modules["torch"].Tensor
+    grad = False
+    enabled = _grad_enabled()
+    parts: list[Any] = []
+    for a in args:
+        if isinstance(a, tensor):
+            parts.append(a.shape)
+            grad = grad or a.requires_grad
+        else:
+            parts.append(a)
+    for name, a in kwargs.items():
+        parts.append(name)
+        if isinstance(a, tensor):
+            parts.append(a.shape)
+            grad = grad or a.requires_grad
+        else:
+            parts.append(a)
+    q = args[0]
+    parts += (q.dtype, q.is_cuda, enabled and grad)
+    return tuple(parts)
+
+
+_TENSOR: list[Any] = [None]
+
+
+def _grad_enabled() -> bool:
+    """Whether autograd records (a call under no_grad / inference_mode runs no backward: its
+    gradients are neither raced nor compared)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled()
 
 
 def _max_len(value: Any) -> int | None:
@@ -94,8 +155,15 @@ def _max_len(value: Any) -> int | None:
     return None
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def _dtype(t: Any) -> str:
-    return str(getattr(t, "dtype", "")).replace("torch.", "")
+    dt = getattr(t, "dtype", "")
+    found = _DTYPE_NAMES.get(dt)
+    if found is None:
+        found = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return found
 
 
 @dataclass(frozen=True)
@@ -145,7 +213,7 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     heads, d = int(q.shape[-2]), int(q.shape[-1])
     k = call.get("k") if entry != "flash_attn_with_kvcache" else call.get("k_cache")
     kv_heads = int(k.shape[-2]) if k is not None else heads
-    grad = bool(
+    grad = _grad_enabled() and bool(
         getattr(q, "requires_grad", False)
         or getattr(call.get("k"), "requires_grad", False)
         or getattr(call.get("v"), "requires_grad", False)

@@ -142,7 +142,11 @@ class _State:
         self.made: dict[tuple[Any, ...], Decision] = {}
         self.said: dict[tuple[Any, ...], bool] = {}  # bucket -> applied, as last said
         self.impls: dict[tuple[str, str], Any] = {}
-        self.calls: dict[tuple[Any, ...], int] = {}  # decided bucket -> eager calls served
+        # decided bucket -> [eager calls served] (a cell: served signatures share it)
+        self.calls: dict[tuple[Any, ...], list[int]] = {}
+        # entry -> call signature -> (its bucket's call count, None for a call left alone;
+        # the kernel or None; applied)
+        self.served: dict[str, dict[tuple[Any, ...], tuple[Any, Any, bool]]] = {}
         self.call_ms: dict[tuple[Any, ...], float] = {}  # decided bucket -> ms per call
         self.spent_s = 0.0  # races: probes and timed rounds
         self.warm_up_s = 0.0  # races: warm-ups (said, not counted against the budget)
@@ -201,7 +205,8 @@ def situation(entry: Any, args: tuple, kwargs: dict, call: Call) -> Situation:
 def _attention_s() -> float:
     """What this process's eager calls of decided buckets spent in attention so far, estimated:
     each bucket's calls x the time per call measured for the kernel that serves it."""
-    return sum(n * _state.call_ms.get(b, 0.0) for b, n in list(_state.calls.items())) / 1e3
+    calls = list(_state.calls.items())
+    return sum(n[0] * _state.call_ms.get(b, 0.0) for b, n in calls) / 1e3
 
 
 def _kept(why: str, source: str = "not measured", differs: bool = False) -> Decision:
@@ -374,11 +379,31 @@ def _cost(decision: Decision) -> dict[str, float]:
 
 def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
     """The candidate that computes this call (a callable with the entry's signature), or None
-    for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`)."""
+    for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`).
+
+    A decided bucket is served from :data:`_State.served`, keyed by the call's
+    :func:`buckets.signature`: a decode loop pays for one tuple and one dict lookup per call,
+    not for the bucket's computation (the budget of "decided bucket costs <= 2 µs over the
+    kernel that serves it", docs/benchmarks.md)."""
+    name = entry.name
+    try:
+        found = served(name, args, kwargs, opts.apply)
+    except TypeError:  # an unhashable argument: the bucket's way
+        found = UNSERVED
+    if found is not UNSERVED:
+        return found
+    sig = None if _is_compiling() else buckets.signature(name, args, kwargs)
+    if sig is not None:
+        try:
+            hash(sig)
+        except TypeError:
+            sig = None
     named = dict(zip(entry.params, args, strict=False))
     named.update(kwargs)
     key = buckets.bucket(entry.name, named)
     if isinstance(key, str):
+        if sig is not None:
+            _remember(name, sig, None, None, opts.apply)
         return None  # a call the switch leaves alone
     decision = _state.made.get(key)
     if decision is None or (decision.winner != REQUESTED and _state.said.get(key) != opts.apply):
@@ -397,12 +422,68 @@ def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
                 _state.said[call.bucket] = opts.apply
                 _say(entry, call, decision, opts.apply)
     if not events.is_compiling():  # what the budget grows with (a traced graph's calls: not)
-        _state.calls[key] = _state.calls.get(key, 0) + 1
+        count = _state.calls.get(key)
+        if count is None:
+            count = _state.calls[key] = [0]
+        count[0] += 1
     if decision.winner == REQUESTED or not opts.apply:
+        if sig is not None:
+            _remember(name, sig, _state.calls.get(key), None, opts.apply)
         return None
     impl = _state.impls.get((entry.name, decision.winner))
     if impl is None:
         names = [decision.winner]
         impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
         _state.impls[(entry.name, decision.winner)] = impl
+    if sig is not None:
+        _remember(name, sig, _state.calls.get(key), impl, opts.apply)
     return impl
+
+
+_SERVED_MAX = 4096
+UNSERVED = buckets.UNSERVED
+
+
+def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
+    """The kernel a decided bucket serves this call with (None: the requested kernel), found by
+    the call's :func:`buckets.signature` alone; :data:`UNSERVED` where that signature has not
+    been served yet (or the mode changed since, or inside a trace): :func:`serve` decides.
+    Raises TypeError for an unhashable argument."""
+    if _is_compiling():
+        return UNSERVED
+    sig = buckets.signature(name, args, kwargs)
+    table = _state.served.get(name) if sig is not None else None
+    if table is None:
+        return UNSERVED
+    hit = table.get(sig)
+    if hit is None or hit[2] is not apply:
+        return UNSERVED
+    if hit[0] is not None:
+        hit[0][0] += 1  # the bucket's call count (a shared cell: no tuple hashed here)
+    return hit[1]
+
+
+def _is_compiling() -> bool:
+    """events.is_compiling, with torch's function looked up once (a decode loop asks at every
+    call)."""
+    fn = _COMPILING[0]
+    if fn is None:
+        try:
+            import torch
+
+            fn = _COMPILING[0] = torch.compiler.is_compiling
+        except Exception:
+            return events.is_compiling()
+    return bool(fn())
+
+
+_COMPILING: list[Any] = [None]
+
+
+def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
+    """Serve later calls of this signature straight away (bounded: a job whose shapes never
+    repeat starts over rather than grow)."""
+    table = _state.served.get(name)
+    if table is None or len(table) >= _SERVED_MAX:
+        table = _state.served[name] = {}
+    table[sig] = (count, impl, apply)

@@ -384,6 +384,86 @@ def test_with_kvcache_matches_kernel(real, case, dtype):
     assert torch.equal(kc_r, kc) == (sn == 0)
 
 
+# name: (batch, heads, kv heads, head_dim, capacity, cache lengths (a list, an int or None),
+# a new token, window, LSE). Capacities from a few hundred keys to 32k: one program per kv head
+# and sequence, and caches split over the GPU (two kernels) alike.
+DECODE_CASES = {
+    "gqa4_d128": (4, 32, 8, 128, 512, [0, 17, 300, 510], True, (-1, -1), True),
+    "mha_d64": (2, 8, 8, 64, 300, [5, 298], True, (-1, -1), True),
+    "mqa_d256": (3, 16, 1, 256, 400, [399, 0, 128], True, (-1, -1), True),
+    "gqa7_d64_no_lse": (2, 14, 2, 64, 1000, [900, 1], True, (-1, -1), False),
+    "d80_window": (2, 8, 2, 80, 700, [650, 40], True, (100, 0), True),
+    "attend_only": (2, 8, 2, 128, 600, [599, 3], False, (-1, -1), True),
+    "empty_rows": (2, 8, 2, 128, 600, [0, 0], False, (-1, -1), True),
+    "int_lengths": (3, 8, 2, 128, 256, 200, True, (-1, -1), True),
+    "whole_cache": (2, 8, 2, 128, 256, None, False, (-1, -1), True),
+    "long_split_cache": (1, 32, 8, 128, 32768, [30000], True, (-1, -1), True),
+    "batch8_8k": (8, 32, 8, 128, 8256, [8192, 5, 4000, 8000, 1, 2, 3, 8191], True, (-1, -1), True),
+}
+
+
+def decode_inputs(case, dtype):
+    b, h, hk, d, cap, lens, new, win, lse = DECODE_CASES[case]
+    q = randn(b, 1, h, d, dtype=dtype, seed=60)
+    kc = randn(b, cap, hk, d, dtype=dtype, seed=61)
+    vc = randn(b, cap, hk, d, dtype=dtype, seed=62)
+    kw = {"causal": True, "window_size": win, "return_softmax_lse": lse}
+    if lens is not None:
+        kw["cache_seqlens"] = lens if isinstance(lens, int) else i32(lens)
+    if new:
+        kw["k"] = randn(b, 1, hk, d, dtype=dtype, seed=63)
+        kw["v"] = randn(b, 1, hk, d, dtype=dtype, seed=64)
+    return q, kc, vc, kw
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_kernel_matches_kernel(real, routes, case, dtype):
+    """One query token on attnguard's decode kernel (Triton, on the GPU image): the output and
+    LSE of flash-attn's kernel within the dtype's rounding, the caches bit for bit."""
+    from attnguard.fallback import triton_decode
+
+    q, kc, vc, kw = decode_inputs(case, dtype)
+    # the first call builds the kernel (through Triton's own entry); the second is launched
+    # directly, as every later call is: that one is compared
+    fallback.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)
+    kc_t, vc_t, kc_r, vc_r = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    got = fallback.flash_attn_with_kvcache(q, kc_t, vc_t, **kw)
+    ref = real.flash_attn_with_kvcache(q, kc_r, vc_r, **kw)
+    assert triton_decode.disabled() is None, triton_decode.disabled()
+    assert routes == ["kvcache-decode"] * 2
+    assert triton_decode._compiled, "no kernel launched directly"
+    if kw["return_softmax_lse"]:
+        assert_out_close(got[0], ref[0], dtype)
+        assert_lse_close(got[1], ref[1])
+    else:
+        assert_out_close(got, ref, dtype)
+    assert torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r)
+    assert torch.equal(kc_r, kc) == ("k" not in kw)
+
+
+def test_decode_kernel_in_a_cuda_graph(real):
+    """A decode step captured in a CUDA graph by the caller (after a first eager call) replays
+    on the decode kernel: new inputs, the kernel's results, each replay appending."""
+    q, kc, vc, kw = decode_inputs("d80_window", BF16)
+    kc_r, vc_r = kc.clone(), vc.clone()
+    fallback.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **kw)  # built outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        out, lse = fallback.flash_attn_with_kvcache(q, kc, vc, **kw)
+    for step in range(3):
+        for i, t in enumerate((q, kw["k"], kw["v"])):
+            t.copy_(randn(*t.shape, dtype=BF16, seed=70 + 3 * step + i))
+        kw["cache_seqlens"] += 1 if step else 0
+        graph.replay()
+        ref, ref_lse = real.flash_attn_with_kvcache(q, kc_r, vc_r, **kw)
+        assert_out_close(out, ref, BF16)
+        assert_lse_close(lse, ref_lse)
+        assert torch.equal(kc, kc_r) and torch.equal(vc, vc_r)
+
+
 # ------------------------------------------------------------------------------------------
 # bert_padding
 # ------------------------------------------------------------------------------------------
@@ -502,10 +582,13 @@ def test_dense_outputs_and_gradients_match_kernel(real, routes, sq, sk, kw, rout
 
 
 def test_kvcache_routes_on_this_gpu(real, routes):
-    """Decode steps with contiguous caches take torch's flash kernel; what it cannot express
-    (pages, a batch index, left padding, softcap, ALiBi) takes the general path."""
+    """Decode steps (one query token) take the decode kernel; other calls with contiguous
+    caches take torch's flash kernel; what it cannot express (pages, a batch index, left
+    padding, softcap, ALiBi) takes the general path."""
     expected = {
-        "decode": "kvcache-flash",
+        "decode": "kvcache-decode",
+        "decode_mqa": "kvcache-decode",
+        "attend_only": "kvcache-decode",
         "int_seqlens": "kvcache-flash",
         "attend_whole_cache": "kvcache-flash",
         "rotary_interleaved_causal": "kvcache-flash",
