@@ -265,9 +265,12 @@ def _direct_launch(compiled: Any) -> tuple[Any, ...] | None:
     """(launch function, kernel, metadata, cooperative, pdl) to launch a compiled kernel the way
     Triton's launcher does, minus its Python: only where the launcher would add nothing (no
     scratch memory, no tensor descriptors, no launch hooks) and the shapes are the ones this
-    module knows (Triton 3.x); None otherwise (Triton's own entry at every call)."""
+    module knows (the Triton releases in _DIRECT_LAUNCH_RELEASES); None otherwise (Triton's own entry at every call)."""
     try:
-        if _knobs_hooks() is not None:
+        if (
+            _state.get("triton_release") not in _DIRECT_LAUNCH_RELEASES
+            or _knobs_hooks() is not None
+        ):
             return None
         launcher = compiled.run
         if launcher.global_scratch_size or launcher.profile_scratch_size:
@@ -282,6 +285,9 @@ def _direct_launch(compiled: Any) -> tuple[Any, ...] | None:
         return None
 
 
+# Triton releases whose compiled launcher's argument order the direct launch was checked against
+# (its C launcher takes positional arguments: another order would not fail cleanly)
+_DIRECT_LAUNCH_RELEASES = ((3, 6),)
 _tried: set[tuple[Any, ...]] = set()  # launched through Triton's entry at least once
 
 
@@ -305,6 +311,7 @@ def _build() -> tuple[Any, Any, Any]:
     from triton import knobs
 
     _state["knobs"] = knobs
+    _state["triton_release"] = tuple(int(p) for p in triton.__version__.split(".")[:2])
     ints = [
         "seq_const", "seq_stride", "scale_log2", "window_left", "split_len", "capacity",
         "hk_heads", "sqb", "sqh", "skb", "sks", "skh", "svb", "svs", "svh", "snkb", "snkh",
