@@ -342,16 +342,13 @@ def _has_events() -> bool:
 def _record(rank: int, phase: str = "exit") -> bytes:
     """This rank's record: its process id and keys, posted at ``phase`` ("exit", or "group_end"
     when it destroys its process group)."""
-    return json.dumps(
-        {
-            "v": RECORD_VERSION,
-            "rank": rank,
-            "proc": events.process_id(),
-            "phase": phase,
-            "keys": local_fields()["keys"],
-        },
-        default=str,
-    ).encode()
+    return record_of(rank, phase, events.process_id(), local_fields()["keys"])
+
+
+def record_of(rank: int, phase: str, proc: str, keys: list[dict[str, Any]]) -> bytes:
+    """A rank's record as it travels to rank 0 (``keys`` as :func:`local_fields` has them)."""
+    record = {"v": RECORD_VERSION, "rank": rank, "proc": proc, "phase": phase, "keys": keys}
+    return json.dumps(record, default=str).encode()
 
 
 def _parse_record(data: bytes, rank: int) -> tuple[RankRecord, str]:
