@@ -18,7 +18,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 from conftest import PY, subprocess_env
 
 # Every rank loads a tiny Llama asking for flash attention (absent on CPU: a remedy on every
