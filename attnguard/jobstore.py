@@ -187,6 +187,7 @@ def job_store() -> JobStore | None:
             from torch.distributed import distributed_c10d as c10d
 
             store = c10d._get_default_store()
+            _caller.start()  # bounded calls from now on (at exit on 3.12+: inline, as before)
             return JobStore(store, dist.get_rank(), dist.get_world_size(), "process_group")
         except Exception:
             return None
