@@ -142,3 +142,42 @@ def test_the_job_summary_reaches_rank_0s_exporter_after_destroy(
     attrs = summary["attributes"]
     assert attrs["site"] == "job" and attrs["ranks"] == [0, 1]
     assert attrs["missing_ranks"] == []
+
+
+THREADED = """
+import threading, time
+import attnguard
+from attnguard import events
+
+
+def late_work():
+    time.sleep(1.0)  # still running when the main thread ends
+    events.emit("tensors_aligned", site="rotary:LlamaRotaryEmbedding",
+                reason_code="rotary_device_mismatch", reason="moved position_ids", applied=True)
+
+
+events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
+            reason="flash-attn is not installed", applied=True)
+threading.Thread(target=late_work).start()  # a non-daemon thread: the interpreter waits for it
+"""
+
+
+def test_a_thread_still_running_at_the_end_of_main_is_counted(tmp_path: Path) -> None:
+    """The summary comes before the atexit handlers only where nothing else runs; a program
+    whose non-daemon thread still works when its main thread ends gets the summary after that
+    thread's events."""
+    script = tmp_path / "threaded.py"
+    script.write_text(THREADED)
+    log = tmp_path / "events.jsonl"
+    res = subprocess.run(
+        [PY, str(script)],
+        env=subprocess_env(ATTNGUARD_LOG=str(log)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    (summary,) = [r for r in lines if r["event"] == "summary"]
+    assert summary["applied"] == 2
+    assert summary["events"] == {"backend_fallback": 1, "tensors_aligned": 1}
