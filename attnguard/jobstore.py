@@ -1,14 +1,23 @@
 """The job's key-value store as the exit summary uses it: which store, kept past the end of the
 process group, every call bounded in time, and the rolls ranks enrol in.
 
-Which store: the default process group's while it is up; once the script destroys it
-(``dist.destroy_process_group()``, the ending of accelerate, verl, torchtitan and most training
-scripts), the same store object, kept by :func:`keep_default_store` (called by
-:mod:`attnguard.patches.torch_distributed` when the group is made and just before it is
-destroyed). Keeping the object keeps its connection (and, where rank 0 hosts the store's server,
-the server) open until this process exits; under torchrun the server is the launcher's agent,
-which lives until every rank of every node has ended. Nothing here is a collective: a rank only
-writes its own keys and rank 0 only reads, so no rank ever waits for another through this module.
+Which store:
+
+* under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``: the workers' process groups use the
+  launcher's store), the launcher's store itself, at ``MASTER_ADDR:MASTER_PORT``: its server is
+  the agent of the first node, alive until every rank of every node has ended (the agents wait
+  for each other at exit), whether or not the script makes a process group, and whatever it does
+  with it. A rank connects once, when it first needs the store (its first event, or exit);
+* else the default process group's while it is up, and once the script destroys it
+  (``dist.destroy_process_group()``, the ending of accelerate, verl, torchtitan and most training
+  scripts) the same store object, kept by :func:`keep_default_store` (called by
+  :mod:`attnguard.patches.torch_distributed` when the group is made and just before it is
+  destroyed). Keeping the object keeps its connection (and, where rank 0 hosts the store's
+  server, as under ``mp.spawn`` or a plain ``env://`` start, the server) open until this process
+  exits.
+
+Nothing here is a collective: a rank only writes its own keys and rank 0 only reads, so no rank
+ever waits for another through this module.
 
 Bounded: a store call that does not answer within :data:`CALL_TIMEOUT_S` (a stopped or
 unreachable server: c10d's own calls then block until the connection times out, minutes) is
@@ -139,8 +148,8 @@ def keep_default_store() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _caller, _kept
-    _caller, _kept = _Caller(), _Kept()  # the parent's connection and thread are not ours
+    global _caller, _kept, _launcher
+    _caller, _kept, _launcher = _Caller(), _Kept(), _Launcher()  # the parent's, not ours
 
 
 if hasattr(os, "register_at_fork"):
@@ -154,7 +163,7 @@ class JobStore:
         self.store = store
         self.rank = rank
         self.world = world
-        self.how = how  # "process_group" (up at exit) or "kept" (destroyed before exit)
+        self.how = how  # "launcher_store", "process_group" (up) or "kept" (destroyed since)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.ns = f"{PREFIX}{restart}/"
         self.timeout = CALL_TIMEOUT_S
@@ -178,9 +187,53 @@ class JobStore:
         self.set(f"{roll}/{n}", str(rank))
 
 
+class _Launcher:
+    def __init__(self) -> None:
+        self.key: tuple[int, str, int] | None = None  # (pid, host, port) connected to
+        self.store: Any = None
+        self.failed = False
+
+
+_launcher = _Launcher()
+
+
+def _launcher_store() -> JobStore | None:
+    """torchrun's own store (see above), connected once; None where there is none to use."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "torch.distributed" not in sys.modules:
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        return None
+    key = (os.getpid(), host, port)
+    if world <= 1 or (_launcher.failed and _launcher.key == key):
+        return None
+    if _launcher.key != key or _launcher.store is None:
+        _launcher.key, _launcher.store, _launcher.failed = key, None, False
+        try:
+            import datetime
+
+            from torch.distributed import TCPStore
+
+            bound = datetime.timedelta(seconds=CALL_TIMEOUT_S)
+            _caller.start()
+            _launcher.store = _caller.call(
+                lambda: TCPStore(host, port, is_master=False, timeout=bound), CALL_TIMEOUT_S + 1
+            )
+        except Exception:
+            _launcher.failed = True  # not tried again: the process group's store serves
+            return None
+    return JobStore(_launcher.store, rank, world, "launcher_store")
+
+
 def job_store() -> JobStore | None:
-    """The job's store: the default process group's while it is up, else the one kept when it
-    was destroyed (in this process); None when there is none."""
+    """The job's store: torchrun's own, else the default process group's while it is up, else
+    the one kept when it was destroyed (in this process); None when there is none."""
+    launcher = _launcher_store()
+    if launcher is not None:
+        return launcher
     dist = live_group()
     if dist is not None:
         try:

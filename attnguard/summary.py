@@ -461,7 +461,8 @@ def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) 
     """Rank 0: take every record there; wait (until ``timeout_s``) only for ranks that
     announced events and have not posted their exit record, or that still run on this host
     with no record."""
-    got = Gathered({0: own}, "process_group" if channels.store is not None else "files")
+    via = "files" if channels.store is None else channels.store.how
+    got = Gathered({0: own}, "process_group" if via == "kept" else via)
     start = time.monotonic()
     deadline = start + timeout_s
     pending = set(range(1, world))

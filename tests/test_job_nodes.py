@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import PY, subprocess_env
 
 # Every rank loads a tiny Llama asking for flash attention (absent on CPU: a remedy on every
@@ -69,6 +70,7 @@ def launch_nodes(
     per_node: int,
     env: dict[str, str],
     node_env: dict[int, dict[str, str]] | None = None,
+    store: str = "launcher",
 ) -> list[subprocess.CompletedProcess[str]]:
     """One torchrun agent per node, each with its own private and log directories (and host
     name where it can be had); returns each agent's result."""
@@ -99,9 +101,8 @@ def launch_nodes(
             f"--nnodes={nodes}",
             f"--node-rank={node}",
             f"--nproc-per-node={per_node}",
-            "--master-addr=127.0.0.1",  # the static rendezvous: node ranks as given
-            f"--master-port={port}",
             "--local-addr=127.0.0.1",  # the nodes' own host names resolve nowhere
+            *RENDEZVOUS[store](port),
             str(tmp_path / "worker.py"),
             *args,
         ]
@@ -126,6 +127,25 @@ def launch_nodes(
     return out
 
 
+# How the ranks' process groups get their store: torchrun's own (the agent's, the default), or
+# one rank 0 hosts (the c10d rendezvous told not to share its store: node ranks by arrival).
+RENDEZVOUS = {
+    "launcher": lambda port: ["--master-addr=127.0.0.1", f"--master-port={port}"],
+    "rank0": lambda port: [
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=attnguard-test",
+    ],
+}
+STORE_ENV = {"launcher": {}, "rank0": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+
+
+def rank_log(tmp_path: Path, rank: int) -> Path:
+    """Rank ``rank``'s own file, on whichever node it ran."""
+    (path,) = tmp_path.glob(f"node*/events-{rank}.jsonl")
+    return path
+
+
 def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -134,29 +154,61 @@ def summaries(path: Path) -> list[dict[str, Any]]:
     return [r for r in records(path) if r["event"] == "summary"]
 
 
+@pytest.mark.parametrize("store", ["launcher", "rank0"])
 def test_two_nodes_that_destroy_their_group_give_one_complete_job_summary(
-    tiny_checkpoint: Any, tmp_path: Path
+    tiny_checkpoint: Any, tmp_path: Path, store: str
 ) -> None:
-    """The issue's case: both ranks had a remedy; rank 0's summary counts both, through the
-    group's store kept past ``destroy_process_group()``, and says nothing untrue."""
+    """The issue's case: both ranks had a remedy; rank 0's summary counts both, and says nothing
+    untrue. Through torchrun's own store, and through the store rank 0's process group hosted,
+    kept past ``destroy_process_group()``."""
     checkpoint = tiny_checkpoint("llama")
     results = launch_nodes(
-        tmp_path, WORKER, [str(checkpoint)], nodes=2, per_node=1, env={"GATHER_TIMEOUT": "30"}
+        tmp_path,
+        WORKER,
+        [str(checkpoint)],
+        nodes=2,
+        per_node=1,
+        env={"GATHER_TIMEOUT": "30", **STORE_ENV[store]},
+        store=store,
     )
     if _can_name_hosts():  # the nodes really had two host names
-        assert "host node0 rank 0" in results[0].stdout and "host node1 rank 1" in results[1].stdout
-    own1 = [r for r in records(tmp_path / "node1" / "events-1.jsonl") if r["event"] != "summary"]
-    changes1 = sum(r["count"] for r in own1 if r.get("applied") is True)
-    assert changes1 > 0  # rank 1 had a remedy of its own
-    assert summaries(tmp_path / "node1" / "events-1.jsonl") == []  # its story is rank 0's
-    (job,) = summaries(tmp_path / "node0" / "events-0.jsonl")
-    assert job["site"] == "job" and job["gathered_by"] == "process_group"
+        said = "".join(res.stdout for res in results)
+        assert {"node0", "node1"} == {
+            line.split()[1] for line in said.splitlines() if line.startswith("host ")
+        }
+    own1 = [r for r in records(rank_log(tmp_path, 1)) if r["event"] != "summary"]
+    assert sum(r["count"] for r in own1 if r.get("applied") is True) > 0  # a remedy of its own
+    assert summaries(rank_log(tmp_path, 1)) == []  # its story is rank 0's
+    (job,) = summaries(rank_log(tmp_path, 0))
+    want = {"launcher": "launcher_store", "rank0": "process_group"}[store]
+    assert job["site"] == "job" and job["gathered_by"] == want
     assert job["ranks"] == [0, 1] and job["missing_ranks"] == [] and job["silent_ranks"] == []
     assert job["as_of_group_end"] == []  # rank 1's exit record came, not only its group-end one
     assert job["per_rank"]["1"]["applied"] > 0
     assert job["event_ranks"]["backend_fallback"] == [0, 1]
     assert "over 2 of 2 ranks" in job["reason"]
     assert "announced no event" not in job["reason"] and "no report" not in job["reason"]
+
+
+NO_GROUP = """
+import sys
+import torch, transformers
+
+transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="flash_attention_2")
+"""
+
+
+def test_two_nodes_without_a_process_group_meet_in_torchruns_store(
+    tiny_checkpoint: Any, tmp_path: Path
+) -> None:
+    """No process group at all (an inference script), no shared directory: the ranks meet in
+    torchrun's own store."""
+    checkpoint = tiny_checkpoint("llama")
+    launch_nodes(tmp_path, NO_GROUP, [str(checkpoint)], nodes=2, per_node=1, env={})
+    (job,) = summaries(rank_log(tmp_path, 0))
+    assert job["gathered_by"] == "launcher_store"
+    assert job["ranks"] == [0, 1] and job["missing_ranks"] == []
+    assert job["event_ranks"]["backend_fallback"] == [0, 1]
 
 
 def test_a_rank_gone_without_exit_handlers_is_counted_as_of_its_group_end(
@@ -174,7 +226,7 @@ def test_a_rank_gone_without_exit_handlers_is_counted_as_of_its_group_end(
         per_node=1,
         env={"GATHER_TIMEOUT": "2", "RANK1_EXIT": "os._exit"},
     )
-    (job,) = summaries(tmp_path / "node0" / "events-0.jsonl")
+    (job,) = summaries(rank_log(tmp_path, 0))
     assert job["ranks"] == [0, 1] and job["missing_ranks"] == []
     assert job["as_of_group_end"] == [1] and job["waited_for"] == []
     assert job["per_rank"]["1"]["applied"] > 0
@@ -198,7 +250,7 @@ def test_a_rank_without_attnguard_is_named_as_not_heard(
         env={"GATHER_TIMEOUT": "30"},
         node_env={1: {"ATTNGUARD": "0"}},
     )
-    assert records(tmp_path / "node1" / "events-1.jsonl") == []
-    (job,) = summaries(tmp_path / "node0" / "events-0.jsonl")
+    assert list(tmp_path.glob("node*/events-1.jsonl")) == []
+    (job,) = summaries(rank_log(tmp_path, 0))
     assert job["ranks"] == [0] and job["silent_ranks"] == [1] and job["waited_for"] == []
     assert "rank(s) 1: no report reached rank 0, nor word of any event" in job["reason"]
