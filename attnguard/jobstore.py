@@ -3,18 +3,19 @@ process group, every call bounded in time, and the rolls ranks enrol in.
 
 Which store:
 
-* under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``: the workers' process groups use the
-  launcher's store), the launcher's store itself, at ``MASTER_ADDR:MASTER_PORT``: its server is
-  the agent of the first node, alive until every rank of every node has ended (the agents wait
-  for each other at exit), whether or not the script makes a process group, and whatever it does
-  with it. A rank connects once, when it first needs the store (its first event, or exit);
-* else the default process group's while it is up, and once the script destroys it
+* the default process group's while it is up, and once the script destroys it
   (``dist.destroy_process_group()``, the ending of accelerate, verl, torchtitan and most training
   scripts) the same store object, kept by :func:`keep_default_store` (called by
   :mod:`attnguard.patches.torch_distributed` when the group is made and just before it is
   destroyed). Keeping the object keeps its connection (and, where rank 0 hosts the store's
   server, as under ``mp.spawn`` or a plain ``env://`` start, the server) open until this process
-  exits.
+  exits;
+* else, under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``: the workers' process groups use
+  the launcher's store), the launcher's store, at ``MASTER_ADDR:MASTER_PORT``, seen as the
+  default process group sees it (its ``default_pg`` prefix): the same keys as through a group's
+  store, so ranks that made a group and ranks that did not (yet) meet. Its server is the agent of
+  the first node, alive until every rank of every node has ended (the agents wait for each other
+  at exit). A rank connects once, when it first needs the store and has no group's.
 
 Nothing here is a collective: a rank only writes its own keys and rank 0 only reads, so no rank
 ever waits for another through this module.
@@ -40,7 +41,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 PREFIX = "attnguard/summary/v3/"
-CALL_TIMEOUT_S = 5.0
+CALL_TIMEOUT_S = 15.0  # far above a store's answer on a loaded host (milliseconds)
+CONNECT_TIMEOUT_S = 30.0
 T = TypeVar("T")
 
 
@@ -215,13 +217,14 @@ def _launcher_store() -> JobStore | None:
         try:
             import datetime
 
-            from torch.distributed import TCPStore
+            from torch.distributed import PrefixStore, TCPStore
 
-            bound = datetime.timedelta(seconds=CALL_TIMEOUT_S)
+            bound = datetime.timedelta(seconds=CONNECT_TIMEOUT_S)
             _caller.start()
-            _launcher.store = _caller.call(
-                lambda: TCPStore(host, port, is_master=False, timeout=bound), CALL_TIMEOUT_S + 1
+            client = _caller.call(
+                lambda: TCPStore(host, port, is_master=False, timeout=bound), CONNECT_TIMEOUT_S + 1
             )
+            _launcher.store = PrefixStore("default_pg", client)  # as init_process_group sees it
         except Exception:
             _launcher.failed = True  # not tried again: the process group's store serves
             return None
@@ -229,11 +232,8 @@ def _launcher_store() -> JobStore | None:
 
 
 def job_store() -> JobStore | None:
-    """The job's store: torchrun's own, else the default process group's while it is up, else
-    the one kept when it was destroyed (in this process); None when there is none."""
-    launcher = _launcher_store()
-    if launcher is not None:
-        return launcher
+    """The job's store: the default process group's while it is up, else the one kept when it
+    was destroyed (in this process), else torchrun's; None when there is none."""
     dist = live_group()
     if dist is not None:
         try:
@@ -246,7 +246,7 @@ def job_store() -> JobStore | None:
             return None
     if _kept.store is not None and _kept.pid == os.getpid():
         return JobStore(_kept.store, _kept.rank, _kept.world, "kept")
-    return None
+    return _launcher_store()
 
 
 class Roll:

@@ -27,7 +27,8 @@ when it has nothing to report). A rank that destroys its process group posts its
 stands then (:func:`on_group_end`), and again at exit unless nothing changed since and it had
 announced nothing. At exit rank 0 takes every record already there and waits, at most
 :data:`GATHER_TIMEOUT_S`, only for ranks that announced events and have not posted their exit
-record, or that still run on this host with no record (a rank slower to start than rank 0 is to
+record, or that joined the process group (the store's ``joined`` roll, :func:`on_group_start`)
+or still run on this host, with no record (a rank slower to start than rank 0 is to
 finish may yet have events; one that ended without its exit handlers, ``os._exit``, is seen
 gone): when nothing happened anywhere and no rank is still running, it does not wait at all. A
 rank it waited for in vain is counted from the record it posted when it destroyed its group,
@@ -194,6 +195,7 @@ class Gathered:
     records: dict[int, RankRecord]
     via: str
     waited_for: list[int] = field(default_factory=list)  # announced ranks it waited for
+    joined: list[int] = field(default_factory=list)  # ranks that joined the process group
     ignored: list[str] = field(default_factory=list)  # records left out, and why
     as_of_group_end: list[int] = field(default_factory=list)  # counted from that record
     waited_s: float = 0.0
@@ -208,10 +210,16 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     fields = aggregate(got.records)
     missing = [r for r in range(world_size) if r not in got.records]
     late = [r for r in missing if r in got.waited_for]
-    silent = [r for r in missing if r not in got.waited_for]
+    joined = [r for r in missing if r in got.joined and r not in got.waited_for]
+    silent = [r for r in missing if r not in got.waited_for and r not in got.joined]
     head = headline(fields, f"over {len(got.records)} of {world_size} ranks")
     if late:
         head += f" ({_ranks(late)}: no report within {timeout_s:g} s, though they announced events)"
+    if joined:
+        head += (
+            f" ({_ranks(joined)}: no report within {timeout_s:g} s, though they joined the "
+            "process group)"
+        )
     if got.as_of_group_end:
         head += (
             f" ({_ranks(got.as_of_group_end)} counted as of their destroy_process_group(): no "
@@ -290,11 +298,17 @@ def _rank_of_job() -> bool:
 
 
 def on_group_start() -> None:
-    """Just after the default process group was made: keep its store for the exit summary, and
+    """Just after the default process group was made: keep its store for the exit summary,
+    enrol in the store's ``joined`` roll (rank 0 then waits at exit for this rank's record), and
     announce events recorded before the group existed. Never raises."""
     try:
         jobstore.keep_default_store()
-        if _rank_of_job() and _has_events():
+        if not _rank_of_job():
+            return
+        store = jobstore.job_store()
+        if store is not None and store.rank != 0:
+            store.enrol("joined", store.rank)
+        if _has_events():
             _announce_in_store()
     except Exception:
         pass
@@ -381,7 +395,9 @@ class _Channels:
         self.names: set[str] = set()
         self.posted = jobstore.Roll("posted")
         self.announced_roll = jobstore.Roll("announced")
+        self.joined_roll = jobstore.Roll("joined")
         self.heard: set[int] = set()  # ranks that announced events through the store
+        self.joined: set[int] = set()  # ranks that made their process group
         self.error: str | None = None
 
     def from_store(self) -> list[tuple[int, bytes]]:
@@ -391,6 +407,7 @@ class _Channels:
         out = []
         try:
             self.heard.update(self.announced_roll.new(self.store))
+            self.joined.update(self.joined_roll.new(self.store))
             for r in self.posted.new(self.store):
                 data = self.store.get(f"rank/{r}")
                 if data is not None:
@@ -499,8 +516,8 @@ def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) 
             elif channels.announced(r):
                 wanted.add(r)
                 waited.add(r)
-            elif r not in at_group_end and channels.alive(r):
-                wanted.add(r)  # still running: it may yet have events
+            elif r not in at_group_end and (r in channels.joined or channels.alive(r)):
+                wanted.add(r)  # still running, or its record is on its way
         if not wanted or time.monotonic() >= deadline:
             break
         time.sleep(_POLL_S)
@@ -510,6 +527,7 @@ def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) 
             if r in waited:
                 got.as_of_group_end.append(r)
     got.waited_for = sorted(waited - set(got.as_of_group_end))
+    got.joined = sorted(channels.joined)
     got.waited_s = time.monotonic() - start
     got.store_error = channels.error
     return got

@@ -235,9 +235,10 @@ def simulate(
     proc = {r: f"{r:016x}" for r in range(world)}
     calls: dict[int, int] = {}
 
-    # every rank announces its events and posts as it ends its group (as on_group_end does)
+    # every rank joins, announces its events and posts as it ends its group (on_group_end)
     for r in range(1, world):
         store = jobstore.JobStore(fake, r, world, "kept")
+        store.enrol("joined", r)  # as on_group_start does
         store.enrol("announced", r)
         summary._post(store, summary.record_of(r, "group_end", proc[r], _keys_of(r)))
         calls[r] = store.calls

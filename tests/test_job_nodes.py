@@ -180,8 +180,7 @@ def test_two_nodes_that_destroy_their_group_give_one_complete_job_summary(
     assert sum(r["count"] for r in own1 if r.get("applied") is True) > 0  # a remedy of its own
     assert summaries(rank_log(tmp_path, 1)) == []  # its story is rank 0's
     (job,) = summaries(rank_log(tmp_path, 0))
-    want = {"launcher": "launcher_store", "rank0": "process_group"}[store]
-    assert job["site"] == "job" and job["gathered_by"] == want
+    assert job["site"] == "job" and job["gathered_by"] == "process_group"
     assert job["ranks"] == [0, 1] and job["missing_ranks"] == [] and job["silent_ranks"] == []
     assert job["as_of_group_end"] == []  # rank 1's exit record came, not only its group-end one
     assert job["per_rank"]["1"]["applied"] > 0

@@ -37,9 +37,9 @@ def _bench() -> ModuleType:
 def test_eight_ranks_on_four_nodes_give_a_complete_and_exact_summary() -> None:
     res = _bench().run_real(nodes=4, per_node=2)
     assert res["ranks"] == 8 and res["complete"] and res["exact"]
-    # each rank: its record, enrolled twice (group end, exit) and once as announced
+    # each rank: its record, enrolled twice (group end, exit), once as announced, once as joined
     assert res["keys"]["rank"] == 7 and res["keys"]["posted"] == 14
-    assert res["keys"]["announced"] == 7
+    assert res["keys"]["announced"] == 7 and res["keys"]["joined"] == 7
 
 
 @pytest.mark.parametrize("gone_every", [0, 64])
@@ -48,11 +48,11 @@ def test_the_protocol_holds_for_1024_ranks(gone_every: int) -> None:
     assert res["complete"] and res["exact"]
     gone = sum(1 for r in range(1, 1024) if r % 64 == 63) if gone_every else 0  # 16
     assert res["gone"] == gone and res["as_of_group_end"] == gone
-    # keys: per rank its record, two posted entries (one for a gone rank), one announcement;
-    # two counters for the job
-    assert res["keys"]["rank"] == 1023
+    # keys: per rank its record, two posted entries (one for a gone rank), one announcement,
+    # one joined entry; three counters for the job
+    assert res["keys"]["rank"] == 1023 and res["keys"]["joined"] == 1023
     assert res["keys"]["posted"] == 2 * 1023 - gone and res["keys"]["announced"] == 1023
-    assert res["keys"]["total"] == 1023 * 4 - gone + 2
+    assert res["keys"]["total"] == 1023 * 5 - gone + 3
 
 
 def test_a_store_that_stops_answering_is_given_up() -> None:
