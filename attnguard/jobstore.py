@@ -23,12 +23,12 @@ ever waits for another through this module.
 Bounded: a store call that does not answer within :data:`CALL_TIMEOUT_S` (a stopped or
 unreachable server: c10d's own calls then block until the connection times out, minutes) is
 given up, and every later call fails at once. The calls run on one daemon thread started when a
-store is first kept (Python 3.12 starts no thread at exit); without one they run inline.
+store is first kept or used (Python 3.12 starts no thread at exit); without one they run inline.
 
 Keys (under ``attnguard/summary/v3/<restart>/``, the restart count keeping a restarted job's
-keys apart from its previous attempt's): ``rank/<r>`` a rank's record; the rolls ``announced``
-and ``posted`` (``<roll>/n`` a counter, ``<roll>/<i>`` the rank enrolled i-th), which rank 0
-reads in order: each enrolment is read once, whatever the number of ranks.
+keys apart from its previous attempt's): ``rank/<r>`` a rank's record; the rolls ``joined``,
+``announced`` and ``posted`` (``<roll>/n`` a counter, ``<roll>/<i>`` the rank enrolled i-th),
+which rank 0 reads in order: each enrolment is read once, whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def _launcher_store() -> JobStore | None:
             )
             _launcher.store = PrefixStore("default_pg", client)  # as init_process_group sees it
         except Exception:
-            _launcher.failed = True  # not tried again: the process group's store serves
+            _launcher.failed = True  # not tried again in this process
             return None
     return JobStore(_launcher.store, rank, world, "launcher_store")
 

@@ -28,7 +28,8 @@ stands then (:func:`on_group_end`), and again at exit unless nothing changed sin
 announced nothing. At exit rank 0 takes every record already there and waits, at most
 :data:`GATHER_TIMEOUT_S`, only for ranks that announced events and have not posted their exit
 record, or that joined the process group (the store's ``joined`` roll, :func:`on_group_start`)
-or still run on this host, with no record (a rank slower to start than rank 0 is to
+or still run on this host, with no record (and, meeting in torchrun's store with no process
+group on several hosts, for ranks it has no sign of here: they may still run elsewhere) (a rank slower to start than rank 0 is to
 finish may yet have events; one that ended without its exit handlers, ``os._exit``, is seen
 gone): when nothing happened anywhere and no rank is still running, it does not wait at all. A
 rank it waited for in vain is counted from the record it posted when it destroyed its group,
@@ -47,15 +48,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from . import events, jobdir, jobstore, safefiles
-from .eventfiles import Key, Malformed, clean_keys, is_process_id, parse_line
+from . import events, jobdir, jobstore
+from .eventfiles import clean_keys
 from .events import KINDS
+from .gather import Channels, Gathered, RankRecord, gather, record_of
 from .jobdir import JOB_VARS, JobSummaryUnavailable, job_dir_path, open_job_dir
 from .report import EVENT_HINTS, advice, headline, hint_for, kinds_of, level, story
 
@@ -72,9 +71,6 @@ __all__ = [
 ]
 
 GATHER_TIMEOUT_S = 10.0
-_POLL_S = 0.05
-RECORD_VERSION = 3
-MAX_RECORD = 4 << 20  # bytes of one rank's record
 
 
 # --- this process's counts and the cross-rank aggregate ------------------------------------------
@@ -91,14 +87,6 @@ def local_fields() -> dict[str, Any]:
         if e not in ("activated", "summary")
     ]
     return fields
-
-
-@dataclass
-class RankRecord:
-    """What one rank reported at exit: its process id and its checked keys."""
-
-    proc: str
-    keys: list[Key] = field(default_factory=list)
 
 
 def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
@@ -188,20 +176,6 @@ def _emit_local(note: str | None = None, console: bool = True) -> None:
     )
 
 
-@dataclass
-class Gathered:
-    """What rank 0 collected: records per rank, and what it can say about the others."""
-
-    records: dict[int, RankRecord]
-    via: str
-    waited_for: list[int] = field(default_factory=list)  # announced ranks it waited for
-    joined: list[int] = field(default_factory=list)  # ranks that joined the process group
-    ignored: list[str] = field(default_factory=list)  # records left out, and why
-    as_of_group_end: list[int] = field(default_factory=list)  # counted from that record
-    waited_s: float = 0.0
-    store_error: str | None = None
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank(s) {', '.join(map(str, ranks))}"
 
@@ -210,16 +184,13 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     fields = aggregate(got.records)
     missing = [r for r in range(world_size) if r not in got.records]
     late = [r for r in missing if r in got.waited_for]
-    joined = [r for r in missing if r in got.joined and r not in got.waited_for]
-    silent = [r for r in missing if r not in got.waited_for and r not in got.joined]
+    expected = [r for r in missing if r in got.expected and r not in got.waited_for]
+    silent = [r for r in missing if r not in got.waited_for and r not in got.expected]
     head = headline(fields, f"over {len(got.records)} of {world_size} ranks")
     if late:
         head += f" ({_ranks(late)}: no report within {timeout_s:g} s, though they announced events)"
-    if joined:
-        head += (
-            f" ({_ranks(joined)}: no report within {timeout_s:g} s, though they joined the "
-            "process group)"
-        )
+    if expected:
+        head += f" ({_ranks(expected)}: no report within {timeout_s:g} s)"
     if got.as_of_group_end:
         head += (
             f" ({_ranks(got.as_of_group_end)} counted as of their destroy_process_group(): no "
@@ -359,180 +330,6 @@ def _record(rank: int, phase: str = "exit") -> bytes:
     return record_of(rank, phase, events.process_id(), local_fields()["keys"])
 
 
-def record_of(rank: int, phase: str, proc: str, keys: list[dict[str, Any]]) -> bytes:
-    """A rank's record as it travels to rank 0 (``keys`` as :func:`local_fields` has them)."""
-    record = {"v": RECORD_VERSION, "rank": rank, "proc": proc, "phase": phase, "keys": keys}
-    return json.dumps(record, default=str).encode()
-
-
-def _parse_record(data: bytes, rank: int) -> tuple[RankRecord, str]:
-    """A rank's record checked field by field (Malformed says why), and its phase."""
-    if len(data) > MAX_RECORD:
-        raise Malformed(f"over {MAX_RECORD} bytes")
-    raw = parse_line(data)
-    if raw.get("v") != RECORD_VERSION or raw.get("rank") != rank:
-        raise Malformed("not a record of this rank")
-    proc = raw.get("proc")
-    if not is_process_id(proc):
-        raise Malformed("no process id")
-    phase = raw.get("phase")
-    if phase not in ("exit", "group_end"):
-        raise Malformed("no phase")
-    keys = [k for k, per_rank in clean_keys(raw.get("keys")) if per_rank is None]
-    return RankRecord(proc, keys), phase
-
-
-class _Channels:
-    """Rank 0's view of the job's store and the rendezvous directory while it gathers."""
-
-    def __init__(
-        self, store: jobstore.JobStore | None, directory: safefiles.PrivateDir | None
-    ) -> None:
-        self.store = store
-        self.dir = directory
-        self.fresh_after = events.STARTED - 2.0  # file times may be coarse
-        self.seen_files: list[str] = []
-        self.names: set[str] = set()
-        self.posted = jobstore.Roll("posted")
-        self.announced_roll = jobstore.Roll("announced")
-        self.joined_roll = jobstore.Roll("joined")
-        self.heard: set[int] = set()  # ranks that announced events through the store
-        self.joined: set[int] = set()  # ranks that made their process group
-        self.error: str | None = None
-
-    def from_store(self) -> list[tuple[int, bytes]]:
-        """(rank, record) for each record posted since the last look; enrolments heard."""
-        if self.store is None or self.error is not None:
-            return []
-        out = []
-        try:
-            self.heard.update(self.announced_roll.new(self.store))
-            self.joined.update(self.joined_roll.new(self.store))
-            for r in self.posted.new(self.store):
-                data = self.store.get(f"rank/{r}")
-                if data is not None:
-                    out.append((r, data))
-        except jobstore.StoreUnavailable as exc:
-            self.error = str(exc)
-        return out
-
-    def look(self) -> None:
-        """List the directory once per look: a rank's files are read only when listed."""
-        if self.dir is not None:
-            try:
-                self.names = set(self.dir.names())
-            except OSError:
-                self.names = set()
-
-    def _file(self, name: str) -> bytes | None:
-        if self.dir is None or name not in self.names:
-            raise FileNotFoundError(name)
-        data, mtime = self.dir.read(name, MAX_RECORD)  # FileNotFoundError: not there
-        self.seen_files.append(name)
-        if mtime < self.fresh_after:
-            self.dir.remove(name)  # left by an earlier run of the same job
-            return None
-        return data
-
-    def alive(self, rank: int) -> bool:
-        """The rank announced it runs on this host, and its process still does."""
-        try:
-            data = self._file(jobdir.alive_name(rank))
-        except OSError:
-            return False
-        try:
-            host, pid = (data or b"").decode("ascii").split()
-            return host == socket.gethostname() and jobdir.runs_here(int(pid))
-        except (ValueError, UnicodeDecodeError):
-            return False
-
-    def announced(self, rank: int) -> bool:
-        if rank in self.heard:
-            return True
-        try:
-            return self._file(f"announce-{rank}") is not None
-        except OSError:
-            return False
-
-    def record(self, rank: int) -> tuple[bytes | None, str | None]:
-        """(data, None), (None, why it is not to be trusted) or (None, None) when absent."""
-        try:
-            return self._file(f"rank-{rank}.json"), None
-        except FileNotFoundError:
-            return None, None
-        except safefiles.UnsafeFile as exc:
-            return None, str(exc)
-        except OSError as exc:
-            return None, f"rank-{rank}.json: {exc.strerror or exc}"
-
-    def clean_up(self, reported: list[int]) -> None:
-        """Remove what was read, and the announcements of ranks whose report was taken."""
-        if self.dir is not None:
-            taken = [n for r in reported for n in (f"announce-{r}", jobdir.alive_name(r))]
-            for name in self.seen_files + taken:
-                self.dir.remove(name)
-            self.dir.remove_dir()
-
-
-def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) -> Gathered:
-    """Rank 0: take every record there; wait (until ``timeout_s``) only for ranks that
-    announced events and have not posted their exit record, or that still run on this host
-    with no record."""
-    via = "files" if channels.store is None else channels.store.how
-    got = Gathered({0: own}, "process_group" if via == "kept" else via)
-    start = time.monotonic()
-    deadline = start + timeout_s
-    pending = set(range(1, world))
-    at_group_end: dict[int, RankRecord] = {}
-    waited: set[int] = set()
-
-    def take(r: int, data: bytes) -> None:
-        try:
-            record, phase = _parse_record(data, r)
-        except Malformed as exc:
-            got.ignored.append(f"rank {r}: {exc}")
-            pending.discard(r)
-            return
-        if phase == "exit":
-            got.records[r] = record
-            pending.discard(r)
-            at_group_end.pop(r, None)
-        else:
-            at_group_end[r] = record
-
-    while True:
-        for r, data in channels.from_store():
-            if r in pending:
-                take(r, data)
-        channels.look()
-        wanted: set[int] = set()  # ranks worth waiting for now
-        for r in sorted(pending):
-            data, untrusted = channels.record(r)
-            if untrusted is not None:
-                got.ignored.append(f"rank {r}: {untrusted}")
-                pending.discard(r)
-            elif data is not None:
-                take(r, data)
-            elif channels.announced(r):
-                wanted.add(r)
-                waited.add(r)
-            elif r not in at_group_end and (r in channels.joined or channels.alive(r)):
-                wanted.add(r)  # still running, or its record is on its way
-        if not wanted or time.monotonic() >= deadline:
-            break
-        time.sleep(_POLL_S)
-    for r in sorted(at_group_end):
-        if r in pending:
-            got.records[r] = at_group_end[r]
-            if r in waited:
-                got.as_of_group_end.append(r)
-    got.waited_for = sorted(waited - set(got.as_of_group_end))
-    got.joined = sorted(channels.joined)
-    got.waited_s = time.monotonic() - start
-    got.store_error = channels.error
-    return got
-
-
 def emit_exit_summary(timeout_s: float | None = None) -> None:
     """The exit report: one for the job from rank 0 of a job, else this process's own."""
     if events.is_helper():
@@ -575,11 +372,11 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
         finally:
             directory.close()
         return
-    channels = _Channels(store, directory)
+    channels = Channels(store, directory)
     got = Gathered({}, "")
     try:
         own = RankRecord(events.process_id(), [k for k, _ in clean_keys(local_fields()["keys"])])
-        got = _gather(world, own, channels, timeout)
+        got = gather(world, own, channels, timeout)
     finally:
         channels.clean_up(list(got.records))
         if directory is not None:

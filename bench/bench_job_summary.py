@@ -14,7 +14,7 @@ Two parts, each printing a Markdown table:
 * **sim**: the store protocol without torch, to 1,024 ranks: a fake store (``set`` / ``get`` /
   ``check`` / ``add``, as c10d's) shared by one thread per rank running attnguard's own posting
   code (:func:`attnguard.summary._post`, :meth:`attnguard.jobstore.JobStore.enrol`) and rank 0
-  running its gathering (:func:`attnguard.summary._gather`). Each rank announces its events,
+  running its gathering (:func:`attnguard.gather.gather`). Each rank announces its events,
   posts its record as it ends its group, and its exit record after a delay drawn between 0 and
   ``--spread`` seconds; in a second run one rank in 64 ends without an exit record
   (``os._exit``: rank 0 then waits its whole deadline, ``--timeout``). Reported:
@@ -44,7 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from attnguard import jobstore, summary  # noqa: E402
+from attnguard import gather, jobstore, summary  # noqa: E402
+from attnguard.eventfiles import clean_keys  # noqa: E402
 from attnguard.events import KINDS  # noqa: E402
 
 # --- real processes ------------------------------------------------------------------------------
@@ -240,13 +241,13 @@ def simulate(
         store = jobstore.JobStore(fake, r, world, "kept")
         store.enrol("joined", r)  # as on_group_start does
         store.enrol("announced", r)
-        summary._post(store, summary.record_of(r, "group_end", proc[r], _keys_of(r)))
+        summary._post(store, gather.record_of(r, "group_end", proc[r], _keys_of(r)))
         calls[r] = store.calls
 
     def exit_post(r: int) -> None:
         time.sleep(delays[r])
         store = jobstore.JobStore(fake, r, world, "kept")
-        summary._post(store, summary.record_of(r, "exit", proc[r], _keys_of(r)))
+        summary._post(store, gather.record_of(r, "exit", proc[r], _keys_of(r)))
         calls[r] += store.calls
 
     threads = [
@@ -254,14 +255,14 @@ def simulate(
         for r in range(1, world)
         if r not in gone
     ]
-    own = summary.RankRecord(
+    own = gather.RankRecord(
         proc[0],
-        [k for k, _ in summary.clean_keys(_keys_of(0))],
+        [k for k, _ in clean_keys(_keys_of(0))],
     )
     zero = jobstore.JobStore(fake, 0, world, "kept")
     for t in threads:
         t.start()
-    got = summary._gather(world, own, summary._Channels(zero, None), timeout_s)
+    got = gather.gather(world, own, gather.Channels(zero, None), timeout_s)
     for t in threads:
         t.join()
     agg = summary.aggregate(got.records)
