@@ -4,6 +4,7 @@
 ``ATTNGUARD=1`` start-up hook: when the program first imports a library to guard or uses this
 API, see :mod:`attnguard._bootstrap`). Public API:
 :func:`activate`, :func:`deactivate`, :func:`configure`, :func:`guard_model`, :func:`settings`,
+:func:`finish` (the exit summary now, before your program shuts its logging down),
 :class:`AttnGuardError`, :class:`Settings`.
 """
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
     from ._settings import Settings
     from .errors import AttnGuardError
-    from .runtime import activate, configure, deactivate, is_active, settings
+    from .runtime import activate, configure, deactivate, finish, is_active, settings
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,7 @@ __all__ = [
     "activate",
     "configure",
     "deactivate",
+    "finish",
     "guard_model",
     "is_active",
     "settings",

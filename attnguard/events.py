@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import socket
 import sys
@@ -45,7 +44,8 @@ from .config import Settings
 from .launch import IDENTITY_VARS, launch_context, launch_identity
 from .reasons import known as known_reason
 from .sinks import LEVELNO as _LEVELNO
-from .sinks import StreamSink, render_console, render_json
+from .sinks import StreamSink, render_console, render_json, stdlib_logger
+from .sinks import to_stdlib as _to_stdlib
 
 __all__ = [
     "EVENTS",
@@ -91,11 +91,6 @@ _APPLIED, _WOULD_HAVE, _OBSERVED, _ERROR = range(4)
 
 # When this process imported attnguard: a job-summary rendezvous ignores files older than this.
 STARTED = launch.STARTED
-
-stdlib_logger = logging.getLogger("attnguard")
-# Keeps logging's last-resort handler from printing our records a second time on stderr when the
-# app configured no logging at all. Handlers the app adds still receive everything.
-stdlib_logger.addHandler(logging.NullHandler())
 
 
 def new_process_id() -> str:
@@ -200,45 +195,6 @@ def _get_chain() -> Any:
 # --- sinks ---------------------------------------------------------------------------------------
 
 
-def _to_stdlib(ed: dict[str, Any]) -> None:
-    """One LogRecord per event, every field an attribute. A field whose name the record already
-    has (a standard attribute, or one the app's record factory sets, such as ``rank``) is
-    stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead.
-
-    OpenTelemetry's event conventions on top: ``event.name`` (``attnguard.<event>``, few values:
-    one per event name) on every record, and ``error.type`` (the failing exception's fully
-    qualified type, else its name) on ``internal_error``."""
-    levelno = _LEVELNO.get(ed["level"], 20)
-    if not stdlib_logger.isEnabledFor(levelno):
-        return
-    try:
-        fn, lno, func, _ = stdlib_logger.findCaller()
-    except Exception:
-        fn, lno, func = __file__, 0, "_to_stdlib"
-    record = stdlib_logger.makeRecord(
-        stdlib_logger.name,
-        levelno,
-        fn,
-        lno,
-        "%s: %s",
-        (ed["event"], ed.get("reason") or ""),
-        None,
-        func,
-    )
-    conventions = {"event.name": f"attnguard.{ed['event']}"}
-    if ed["event"] == "internal_error":
-        conventions["error.type"] = ed.get("error_type") or ed.get("reason_code") or "Exception"
-    attrs = record.__dict__
-    taken = set(attrs) | {"message", "asctime"}
-    for key, value in {**ed, **conventions}.items():
-        name = key
-        while name in taken:
-            name = f"ag_{name}"
-        attrs[name] = value
-        taken.add(name)
-    stdlib_logger.handle(record)
-
-
 # --- state ---------------------------------------------------------------------------------------
 
 
@@ -261,6 +217,7 @@ class _State:
         self.main_pid: int | None = None  # the process that activated (a fork is a helper)
         self.proc = new_process_id()
         self.announced: Settings | None = None  # the settings the last ``activated`` reported
+        self.summarised = 0  # the pid of the process whose exit summary was emitted
 
 
 _state = _State()
@@ -530,7 +487,9 @@ def summary_fields() -> dict[str, Any]:
     return {**totals, "events": per_event, "reasons": per_reason, "sites": sites}
 
 
-def _at_exit() -> None:
+def _summarise_once() -> None:
+    """Emit the exit summary unless it was emitted already (by :func:`finish`, or before the
+    atexit handlers). Never raises."""
     # Nothing may escape from here: an exception in an atexit callback is printed on stderr.
     # Nor may anything be imported here for the first time: an import that runs code from a
     # string (a dataclass, a namedtuple) clears CPython's record of an unhandled Ctrl-C, and
@@ -538,11 +497,40 @@ def _at_exit() -> None:
     # modules are imported when it becomes due (attnguard.runtime); a process where nothing
     # made it due has nothing to summarise.
     with contextlib.suppress(BaseException):
+        with _state.lock:
+            if _state.summarised == os.getpid():
+                return
+            _state.summarised = os.getpid()
         if _state.settings.enabled and _state.exit_summary and not nothing_to_summarise():
             _state.exit_summary()  # one job-wide summary from rank 0, else this process's own
+
+
+def _before_atexit() -> None:
+    """Run by the interpreter when the main thread has finished, before any atexit handler: the
+    summary then still reaches handlers whose own atexit shutdown would come first (an
+    OpenTelemetry LoggerProvider made after ``import attnguard`` registers one). Where threads
+    of the program still run (non-daemon threads the interpreter is about to wait for), their
+    events may yet come: the summary waits for the atexit handler, as it did before."""
+    with contextlib.suppress(BaseException):
+        me = threading.current_thread()
+        if any(t is not me and not t.daemon and t.is_alive() for t in threading.enumerate()):
+            return
+        _summarise_once()
+
+
+def _at_exit() -> None:
+    _summarise_once()
     with contextlib.suppress(BaseException):
         for sink in _state.streams:
             sink.close()
+
+
+def finish() -> None:
+    """Emit the exit summary now rather than at exit (once per process): on rank 0 of a job the
+    job's, after gathering every rank's record; on another rank, its record for rank 0. Call it
+    before shutting down the logging your handlers send to (``provider.shutdown()``). Events
+    that come later are still emitted, not counted in a second summary."""
+    _summarise_once()
 
 
 def nothing_to_summarise() -> bool:
@@ -569,6 +557,10 @@ def register_exit_summary(
     if not getattr(_at_exit, "registered", False):
         _at_exit.registered = True  # type: ignore[attr-defined]
         atexit.register(_at_exit)
+        before = getattr(threading, "_register_atexit", None)  # CPython 3.9+
+        if before is not None:
+            with contextlib.suppress(RuntimeError):  # already shutting down
+                before(_before_atexit)
 
 
 def reset_counts() -> None:

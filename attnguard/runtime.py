@@ -115,6 +115,32 @@ def _register_hooks() -> None:
             wrapt.register_post_import_hook(
                 lambda mod, _n=name, _p=part: _on_import(_n, _p, mod), target
             )
+    if _JOB_PART not in _hooks_registered:
+        _hooks_registered.add(_JOB_PART)
+        wrapt.register_post_import_hook(_on_distributed_import, "torch.distributed")
+    elif "torch.distributed" in sys.modules:
+        _on_distributed_import(sys.modules["torch.distributed"])
+
+
+# The exit summary's view of the process group: not an integration (nothing it does changes what
+# the program computes, so ATTNGUARD_DISABLE does not name it, nor patched_integrations()).
+_JOB_PART = ("torch_distributed", "attnguard.patches.torch_distributed")
+_job_patched = False
+
+
+def _on_distributed_import(module: Any) -> None:
+    """Post-import hook body for torch.distributed. Never raises."""
+    global _job_patched
+    with _lock:
+        if not _active or _job_patched:
+            return
+        try:
+            importlib.import_module(_JOB_PART[1]).patch(module)
+            _job_patched = True
+        except Exception as exc:
+            from .patching import report_internal_error
+
+            report_internal_error("torch_distributed.patch", exc)
 
 
 def versions() -> dict[str, str | None]:
@@ -162,6 +188,13 @@ def _unpatch(name: str, part: str) -> None:
     _patched.pop((name, part), None)
 
 
+def _unpatch_job() -> None:
+    global _job_patched
+    if _job_patched:
+        _job_patched = False
+        _unpatch(*_JOB_PART)
+
+
 def activate(**overrides: Any) -> Settings:
     """Switch the guard on with ATTNGUARD_* settings plus ``overrides``; idempotent.
 
@@ -199,7 +232,7 @@ def activate(**overrides: Any) -> Settings:
         _active = True
         events.register_exit_summary(_exit_summary, _first_event)
         if not helper and events.launch_context()["world_size"] > 1:
-            from .summary import announce_alive
+            from .jobdir import announce_alive
 
             announce_alive()  # rank 0 waits at exit for a rank that still runs
         if not helper and events.announce(new):
@@ -224,11 +257,24 @@ def deactivate() -> None:
     with _lock:
         for name, part in reversed(list(_patched)):
             _unpatch(name, part)
+        _unpatch_job()
         _refused.clear()
         _active = False
         _settings = Settings(enabled=False, mode=_settings.mode)
         # Flush and close a log file now; nothing is emitted while inactive (no exit summary).
         events.configure_sinks(_settings)
+
+
+def finish() -> None:
+    """Emit attnguard's exit summary now, once, instead of at exit: rank 0 of a job gathers
+    every rank's record for the job's summary, another rank hands its record to rank 0.
+
+    attnguard emits the summary by itself when the main thread finishes, before atexit
+    handlers run (an OpenTelemetry ``LoggerProvider`` still exports it then). Call ``finish()``
+    where your program shuts its logging down itself, before ``provider.shutdown()`` or
+    ``force_flush()``. The guard stays active; later events are still emitted, but not counted
+    in another summary."""
+    events.finish()
 
 
 def configure(**changes: Any) -> Settings:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -22,6 +23,50 @@ from . import safefiles
 from .launch import launch_context
 
 LEVELNO = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+stdlib_logger = logging.getLogger("attnguard")
+# Keeps logging's last-resort handler from printing our records a second time on stderr when the
+# app configured no logging at all. Handlers the app adds still receive everything.
+stdlib_logger.addHandler(logging.NullHandler())
+
+
+def to_stdlib(ed: dict[str, Any]) -> None:
+    """One LogRecord per event, every field an attribute. A field whose name the record already
+    has (a standard attribute, or one the app's record factory sets, such as ``rank``) is
+    stored as ``ag_<name>``: ``extra=`` would refuse the whole record instead.
+
+    OpenTelemetry's event conventions on top: ``event.name`` (``attnguard.<event>``, few values:
+    one per event name) on every record, and ``error.type`` (the failing exception's fully
+    qualified type, else its name) on ``internal_error``."""
+    levelno = LEVELNO.get(ed["level"], 20)
+    if not stdlib_logger.isEnabledFor(levelno):
+        return
+    try:
+        fn, lno, func, _ = stdlib_logger.findCaller()
+    except Exception:
+        fn, lno, func = __file__, 0, "to_stdlib"
+    record = stdlib_logger.makeRecord(
+        stdlib_logger.name,
+        levelno,
+        fn,
+        lno,
+        "%s: %s",
+        (ed["event"], ed.get("reason") or ""),
+        None,
+        func,
+    )
+    conventions = {"event.name": f"attnguard.{ed['event']}"}
+    if ed["event"] == "internal_error":
+        conventions["error.type"] = ed.get("error_type") or ed.get("reason_code") or "Exception"
+    attrs = record.__dict__
+    taken = set(attrs) | {"message", "asctime"}
+    for key, value in {**ed, **conventions}.items():
+        name = key
+        while name in taken:
+            name = f"ag_{name}"
+        attrs[name] = value
+        taken.add(name)
+    stdlib_logger.handle(record)
 
 
 def render_json(ed: dict[str, Any]) -> str:

@@ -7,7 +7,8 @@ At exit (``events._at_exit`` calls :func:`emit_exit_summary`, registered by acti
 * a rank of a job (``WORLD_SIZE`` > 1, from a launcher or set later, as Ray actors do) -> one
   ``summary`` for the whole job (``site="job"``) from rank 0, counted over every rank that
   reported, naming the ones that did not; the other ranks emit none. Each rank's record travels
-  through the process group's key-value store when a group is up at exit, else through files in
+  through the job's key-value store (:mod:`attnguard.jobstore`: the process group's, kept past
+  ``destroy_process_group()``) when the job had a process group, else through files in
   a private rendezvous directory (:func:`open_job_dir`: for a job on one host, in this user's
   private directory, named after the job's identity and its launcher, so that two jobs alike in
   every variable never meet; the rules are :class:`attnguard.safefiles.PrivateDir`'s). When
@@ -19,17 +20,25 @@ At exit (``events._at_exit`` calls :func:`emit_exit_summary`, registered by acti
 
 How long rank 0 waits: a rank announces that it will have something to report when it first
 records an event (:func:`announce_first_event`: a marker in the rendezvous directory and, once a
-process group is up, a store key), and, when it activates under a launcher, that it is alive
-(:func:`announce_alive`: its host and pid, removed at its exit when it has nothing to report).
-At exit rank 0 takes every record already there and waits, at most :data:`GATHER_TIMEOUT_S`,
-only for ranks that announced events, or that still run on this host and have not finished (a
-rank slower to start than rank 0 is to finish may yet have events; one that ended without its
-exit handlers, ``os._exit``, is seen gone): when nothing happened anywhere and no rank is still
-running, it does not wait at all. Ranks with no record that announced nothing are named as such.
+process group is up, an entry in the store's ``announced`` roll; a rank whose events came before
+its group announces when the group is made, :func:`on_group_start`), and, when it activates
+under a launcher, that it is alive (:func:`announce_alive`: its host and pid, removed at its exit
+when it has nothing to report). A rank that destroys its process group posts its record as it
+stands then (:func:`on_group_end`), and again at exit unless nothing changed since and it had
+announced nothing. At exit rank 0 takes every record already there and waits, at most
+:data:`GATHER_TIMEOUT_S`, only for ranks that announced events and have not posted their exit
+record, or that joined the process group (the store's ``joined`` roll, :func:`on_group_start`)
+or still run on this host, with no record (and, meeting in torchrun's store with no process
+group on several hosts, for ranks it has no sign of here: they may still run elsewhere) (a rank slower to start than rank 0 is to
+finish may yet have events; one that ended without its exit handlers, ``os._exit``, is seen
+gone): when nothing happened anywhere and no rank is still running, it does not wait at all. A
+rank it waited for in vain is counted from the record it posted when it destroyed its group,
+if any, and the summary says so; ranks it heard nothing from are named as such.
 
 Why not ``all_gather_object``: a collective at exit hangs for the process group's timeout (10-30
 minutes) as soon as one rank does not reach it (a rank that crashed, runs without attnguard, or
-destroyed its group). Store and file writes never block, and rank 0's wait has a deadline.
+destroyed its group). A rank only writes its own keys and files, every store call is bounded
+(:mod:`attnguard.jobstore`), and rank 0's wait has a deadline.
 
 Records from other ranks are checked field by field like any file ``attnguard summary`` reads
 (:mod:`attnguard.eventfiles`); one that fails is left out and named in the job summary.
@@ -37,35 +46,31 @@ Records from other ranks are checked field by field like any file ``attnguard su
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import socket
-import sys
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from . import events, launch, safefiles
-from .eventfiles import Key, Malformed, clean_keys, is_process_id, parse_line
+from . import events, jobdir, jobstore
+from .eventfiles import clean_keys
 from .events import KINDS
+from .gather import Channels, Gathered, RankRecord, gather, record_of
+from .jobdir import JOB_VARS, JobSummaryUnavailable, job_dir_path, open_job_dir
 from .report import EVENT_HINTS, advice, headline, hint_for, kinds_of, level, story
 
-__all__ = ["EVENT_HINTS", "GATHER_TIMEOUT_S", "aggregate", "emit_exit_summary", "hint_for"]
+__all__ = [
+    "EVENT_HINTS",
+    "GATHER_TIMEOUT_S",
+    "JOB_VARS",
+    "JobSummaryUnavailable",
+    "aggregate",
+    "emit_exit_summary",
+    "hint_for",
+    "job_dir_path",
+    "open_job_dir",
+]
 
 GATHER_TIMEOUT_S = 10.0
-_POLL_S = 0.05
-_STORE_PREFIX = "attnguard/summary/v2/"
-MAX_RECORD = 4 << 20  # bytes of one rank's record
-# What identifies one run of a job, the same on every rank (torchrun / torch.distributed.run).
-JOB_VARS = (
-    "TORCHELASTIC_RUN_ID",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RESTART_COUNT",
-)
 
 
 # --- this process's counts and the cross-rank aggregate ------------------------------------------
@@ -82,14 +87,6 @@ def local_fields() -> dict[str, Any]:
         if e not in ("activated", "summary")
     ]
     return fields
-
-
-@dataclass
-class RankRecord:
-    """What one rank reported at exit: its process id and its checked keys."""
-
-    proc: str
-    keys: list[Key] = field(default_factory=list)
 
 
 def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
@@ -179,32 +176,33 @@ def _emit_local(note: str | None = None, console: bool = True) -> None:
     )
 
 
-@dataclass
-class Gathered:
-    """What rank 0 collected: records per rank, and what it can say about the others."""
-
-    records: dict[int, RankRecord]
-    via: str
-    waited_for: list[int] = field(default_factory=list)  # announced ranks it waited for
-    ignored: list[str] = field(default_factory=list)  # records left out, and why
+def _ranks(ranks: list[int]) -> str:
+    return f"rank(s) {', '.join(map(str, ranks))}"
 
 
 def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     fields = aggregate(got.records)
     missing = [r for r in range(world_size) if r not in got.records]
     late = [r for r in missing if r in got.waited_for]
-    silent = [r for r in missing if r not in got.waited_for]
+    expected = [r for r in missing if r in got.expected and r not in got.waited_for]
+    silent = [r for r in missing if r not in got.waited_for and r not in got.expected]
     head = headline(fields, f"over {len(got.records)} of {world_size} ranks")
     if late:
+        head += f" ({_ranks(late)}: no report within {timeout_s:g} s, though they announced events)"
+    if expected:
+        head += f" ({_ranks(expected)}: no report within {timeout_s:g} s)"
+    if got.as_of_group_end:
         head += (
-            f" (no report from rank(s) {', '.join(map(str, late))} within {timeout_s:g} s, "
-            "though they announced events)"
+            f" ({_ranks(got.as_of_group_end)} counted as of their destroy_process_group(): no "
+            f"exit report within {timeout_s:g} s, though they announced events)"
         )
     if silent:
         head += (
-            f" (no report from rank(s) {', '.join(map(str, silent))} by rank 0's exit; they "
-            "announced no event, so rank 0 did not wait)"
+            f" ({_ranks(silent)}: no report reached rank 0, nor word of any event, so it did not "
+            "wait for them)"
         )
+    if got.store_error and missing:
+        head += f"; {got.store_error}"
     if got.ignored:
         head += f"; {len(got.ignored)} rank record(s) ignored: {'; '.join(got.ignored[:3])}"
     rows = advice(fields["keys"])
@@ -217,122 +215,13 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
         missing_ranks=missing,
         silent_ranks=silent,
         waited_for=sorted(got.waited_for),
+        waited_s=round(got.waited_s, 3),
+        as_of_group_end=got.as_of_group_end,
         ignored_records=got.ignored,
         gathered_by=got.via,
         advice=rows,
         **fields,
     )
-
-
-# --- where the ranks meet ------------------------------------------------------------------------
-
-
-class JobSummaryUnavailable(Exception):
-    """Why a job-wide summary cannot be gathered through files (the text is shown to users)."""
-
-
-def _live_group() -> Any:
-    """torch.distributed's module when a default process group is up (never imports torch)."""
-    if "torch" not in sys.modules:
-        return None
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return dist
-    except Exception:
-        pass
-    return None
-
-
-def _store() -> Any:
-    from torch.distributed import distributed_c10d as c10d
-
-    return c10d._get_default_store()
-
-
-_LOOPBACK = ("localhost", "::1", "0:0:0:0:0:0:0:1")
-
-
-def _may_span_hosts(env: Mapping[str, str]) -> bool:
-    """Whether the job's ranks may run on several hosts: LOCAL_WORLD_SIZE below WORLD_SIZE,
-    or, where the launcher did not say, a rendezvous address other than this host's loopback."""
-    try:
-        world = int(env.get("WORLD_SIZE", "1"))
-        if env.get("LOCAL_WORLD_SIZE"):
-            return int(env["LOCAL_WORLD_SIZE"]) < world
-    except ValueError:
-        return False
-    addr = env.get("MASTER_ADDR", "")
-    return not (addr in _LOOPBACK or addr.startswith("127."))
-
-
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-
-
-def _job_place(env: Mapping[str, str], launcher: str | None) -> tuple[str | None, str]:
-    """(the directory the job directory is in, or None for this user's private directory;
-    the job directory's name). Raises JobSummaryUnavailable when the ranks cannot meet."""
-    if not (env.get("TORCHELASTIC_RUN_ID") or env.get("MASTER_PORT")):
-        raise JobSummaryUnavailable(
-            "no process group at exit and the launcher set neither TORCHELASTIC_RUN_ID nor "
-            "MASTER_PORT, which tell this job's ranks apart"
-        )
-    ident = [env.get(v, "") for v in JOB_VARS]
-    if _may_span_hosts(env):
-        files = [t for t in events._state.settings.log_targets if t != "stderr"]
-        if files:
-            base = os.path.dirname(os.path.abspath(files[0]))
-            while "{" in base:
-                base = os.path.dirname(base)
-            uid = os.geteuid() if hasattr(os, "geteuid") else 0
-            return base, f".attnguard-job-{uid}-{_digest(*ident)}"
-        if env.get("LOCAL_WORLD_SIZE"):
-            raise JobSummaryUnavailable(
-                "no process group at exit and ranks on several nodes: set ATTNGUARD_LOG to a "
-                "file path on a shared file system for a job-wide summary"
-            )
-    # One host: the ranks one launcher started (two jobs alike in every variable are two
-    # launches), in a directory only this user can write to.
-    return None, f"job-{_digest(*ident, launcher or launch.launcher_id())}"
-
-
-def job_dir_path(environ: Mapping[str, str] | None = None, launcher: str | None = None) -> str:
-    """Where this job's ranks meet (see :func:`open_job_dir`); ``launcher``: the
-    :func:`attnguard.launch.launcher_id` of the ranks (this process's by default). Makes this
-    user's private directory when it is the place. Raises JobSummaryUnavailable."""
-    env = os.environ if environ is None else environ
-    base, name = _job_place(env, launcher)
-    if base is None:
-        try:
-            with safefiles.private_dir(env) as own:
-                base = own.path
-        except OSError as exc:
-            raise JobSummaryUnavailable(str(exc)) from None
-    return os.path.join(base, name)
-
-
-def open_job_dir() -> safefiles.PrivateDir:
-    """The rendezvous directory, created if need be and checked (JobSummaryUnavailable).
-
-    The ranks of a job on one host meet in this user's private directory
-    (:func:`attnguard.safefiles.private_dir`), under a name made of the job's identity and its
-    launcher: another user can neither create it first nor write into it, and another job with
-    the same identity has another launcher. Ranks that may run on several hosts meet beside the
-    ATTNGUARD_LOG file (a shared file system), under a name made of the job's identity."""
-    base, name = _job_place(os.environ, None)
-    path = name if base is None else os.path.join(base, name)
-    try:
-        if base is None:
-            with safefiles.private_dir() as own:
-                path = os.path.join(own.path, name)
-                return own.sub(name)
-        return safefiles.PrivateDir(path)
-    except safefiles.UnsafeFile as exc:
-        raise JobSummaryUnavailable(f"the rendezvous directory is not safe to use: {exc}") from None
-    except OSError as exc:
-        raise JobSummaryUnavailable(f"cannot create {path}: {exc.strerror or exc}") from None
 
 
 _announced = {"files": False, "store": False}
@@ -358,65 +247,73 @@ def announce_first_event() -> bool:
                     d.write(f"announce-{rank}", b"")
             except Exception:
                 pass  # no files: the store (or nothing) carries it
-        dist = _live_group()
-        if dist is not None and not _announced["store"]:
-            _store().set(f"{_STORE_PREFIX}announce/{dist.get_rank()}", "1")
-            _announced["store"] = True
-        return _announced["store"]
+        return _announce_in_store()
     except Exception:
         return True
 
 
-def _alive_name(rank: int) -> str:
-    return f"alive-{rank}"
+def _announce_in_store() -> bool:
+    """Enrol this rank in the store's ``announced`` roll, once; True when done."""
+    if not _announced["store"]:
+        store = jobstore.job_store()
+        if store is None:
+            return False
+        if store.rank != 0:
+            store.enrol("announced", store.rank)
+        _announced["store"] = True
+    return True
 
 
-def announce_alive() -> None:
-    """Called when a rank other than 0 activates under a launcher: its host and pid in the
-    rendezvous directory, so that rank 0 waits for it while it runs. Never raises."""
+def _rank_of_job() -> bool:
+    return not events.is_helper() and events.launch_context()["world_size"] > 1
+
+
+def on_group_start() -> None:
+    """Just after the default process group was made: keep its store for the exit summary,
+    enrol in the store's ``joined`` roll (rank 0 then waits at exit for this rank's record), and
+    announce events recorded before the group existed. Never raises."""
     try:
-        ctx = events.launch_context()
-        if events.is_helper() or ctx["world_size"] <= 1:
+        jobstore.keep_default_store()
+        if not _rank_of_job():
             return
-        launch.launcher_id()  # read now: the launcher may end before this rank does
-        if ctx["rank"] == 0:
-            return
-        with open_job_dir() as d:
-            d.write(_alive_name(ctx["rank"]), f"{socket.gethostname()} {os.getpid()}".encode())
+        store = jobstore.job_store()
+        if store is not None and store.rank != 0:
+            store.enrol("joined", store.rank)
+        if _has_events():
+            _announce_in_store()
     except Exception:
         pass
 
 
-def _retire_alive(rank: int, directory: safefiles.PrivateDir | None) -> None:
-    """At a rank's exit: it no longer runs, whatever it reports."""
+_posted = {"at_group_end": b""}  # the record this rank posted when it destroyed its group
+
+
+def on_group_end() -> None:
+    """Just before the default process group is destroyed: keep its store, and post this rank's
+    record as it stands (rank 0 counts it if no exit record comes). Never raises."""
     try:
-        if directory is not None:
-            directory.remove(_alive_name(rank))
-        else:
-            with open_job_dir() as d:
-                d.remove(_alive_name(rank))
+        jobstore.keep_default_store()
+        store = jobstore.job_store()
+        if store is None or not _rank_of_job():
+            return
+        if _has_events():
+            _announce_in_store()
+        if store.rank != 0:
+            record = _record(store.rank, "group_end")
+            _post(store, record)
+            _posted["at_group_end"] = record
     except Exception:
         pass
 
 
-def _runs_here(pid: int) -> bool:
-    """Process ``pid`` of this host exists and has not ended (a zombie waiting for its parent to
-    reap it has ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, another user's
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
+def _post(store: jobstore.JobStore, record: bytes) -> None:
+    store.set(f"rank/{store.rank}", record)
+    store.enrol("posted", store.rank)
 
 
 def _after_fork_in_child() -> None:
     _announced.update(files=False, store=False)
+    _posted["at_group_end"] = b""
 
 
 if hasattr(os, "register_at_fork"):
@@ -427,132 +324,10 @@ def _has_events() -> bool:
     return any(key[0] not in ("activated", "summary") for key in events.counts())
 
 
-def _record(rank: int) -> bytes:
-    return json.dumps(
-        {"v": 2, "rank": rank, "proc": events.process_id(), "keys": local_fields()["keys"]},
-        default=str,
-    ).encode()
-
-
-def _parse_record(data: bytes, rank: int) -> RankRecord:
-    """A rank's record checked field by field (Malformed says why)."""
-    if len(data) > MAX_RECORD:
-        raise Malformed(f"over {MAX_RECORD} bytes")
-    raw = parse_line(data)
-    if raw.get("v") != 2 or raw.get("rank") != rank:
-        raise Malformed("not a record of this rank")
-    proc = raw.get("proc")
-    if not is_process_id(proc):
-        raise Malformed("no process id")
-    keys = [k for k, per_rank in clean_keys(raw.get("keys")) if per_rank is None]
-    return RankRecord(proc, keys)
-
-
-class _Channels:
-    """Rank 0's view of the store and the rendezvous directory while it gathers."""
-
-    def __init__(self, store: Any, directory: safefiles.PrivateDir | None) -> None:
-        self.store = store
-        self.dir = directory
-        self.fresh_after = events.STARTED - 2.0  # file times may be coarse
-        self.seen_files: list[str] = []
-
-    def _store_get(self, key: str) -> bytes | None:
-        if self.store is None:
-            return None
-        try:
-            if not self.store.check([key]):
-                return None
-            return self.store.get(key)
-        except Exception:
-            return None
-
-    def _file(self, name: str) -> bytes | None:
-        if self.dir is None:
-            return None
-        data, mtime = self.dir.read(name, MAX_RECORD)  # FileNotFoundError: not there
-        self.seen_files.append(name)
-        if mtime < self.fresh_after:
-            self.dir.remove(name)  # left by an earlier run of the same job
-            return None
-        return data
-
-    def alive(self, rank: int) -> bool:
-        """The rank announced it runs on this host, and its process still does."""
-        try:
-            data = self._file(_alive_name(rank))
-        except OSError:
-            return False
-        try:
-            host, pid = (data or b"").decode("ascii").split()
-            return host == socket.gethostname() and _runs_here(int(pid))
-        except (ValueError, UnicodeDecodeError):
-            return False
-
-    def announced(self, rank: int) -> bool:
-        if self._store_get(f"{_STORE_PREFIX}announce/{rank}") is not None:
-            return True
-        try:
-            return self._file(f"announce-{rank}") is not None
-        except (FileNotFoundError, safefiles.UnsafeFile):
-            return False
-        except OSError:
-            return False
-
-    def record(self, rank: int) -> tuple[bytes | None, str | None]:
-        """(data, None), (None, why it is not to be trusted) or (None, None) when absent."""
-        data = self._store_get(f"{_STORE_PREFIX}rank/{rank}")
-        if data is not None:
-            return data, None
-        try:
-            return self._file(f"rank-{rank}.json"), None
-        except FileNotFoundError:
-            return None, None
-        except safefiles.UnsafeFile as exc:
-            return None, str(exc)
-        except OSError as exc:
-            return None, f"rank-{rank}.json: {exc.strerror or exc}"
-
-    def clean_up(self, reported: list[int]) -> None:
-        """Remove what was read, and the announcements of ranks whose report was taken."""
-        if self.dir is not None:
-            taken = [n for r in reported for n in (f"announce-{r}", _alive_name(r))]
-            for name in self.seen_files + taken:
-                self.dir.remove(name)
-            self.dir.remove_dir()
-
-
-def _gather(world: int, own: RankRecord, channels: _Channels, timeout_s: float) -> Gathered:
-    """Rank 0: take every record there, wait (until ``timeout_s``) only for announced ranks."""
-    got = Gathered({0: own}, "process_group" if channels.store is not None else "files")
-    deadline = time.monotonic() + timeout_s
-    pending = set(range(1, world))
-    waited: set[int] = set()
-    while True:
-        wanted: set[int] = set()  # ranks worth waiting for now
-        for r in sorted(pending):
-            data, untrusted = channels.record(r)
-            if untrusted is not None:
-                got.ignored.append(f"rank {r}: {untrusted}")
-                pending.discard(r)
-                continue
-            if data is None:
-                if channels.announced(r):
-                    wanted.add(r)
-                    waited.add(r)
-                elif channels.alive(r):
-                    wanted.add(r)  # still running: it may yet have events
-                continue
-            pending.discard(r)
-            try:
-                got.records[r] = _parse_record(data, r)
-            except Malformed as exc:
-                got.ignored.append(f"rank {r}: {exc}")
-        if not wanted or time.monotonic() >= deadline:
-            break
-        time.sleep(_POLL_S)
-    got.waited_for = sorted(waited)
-    return got
+def _record(rank: int, phase: str = "exit") -> bytes:
+    """This rank's record: its process id and keys, posted at ``phase`` ("exit", or "group_end"
+    when it destroys its process group)."""
+    return record_of(rank, phase, events.process_id(), local_fields()["keys"])
 
 
 def emit_exit_summary(timeout_s: float | None = None) -> None:
@@ -565,49 +340,59 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
         _emit_local()
         return
     timeout = GATHER_TIMEOUT_S if timeout_s is None else timeout_s
-    dist = _live_group()
-    rank, world = (
-        (dist.get_rank(), dist.get_world_size()) if dist else (ctx["rank"], ctx["world_size"])
-    )
-    store = None
-    if dist is not None:
+    store = jobstore.job_store()
+    rank, world = (store.rank, store.world) if store else (ctx["rank"], ctx["world_size"])
+    store_note = None
+    if store is not None and rank != 0:
+        record = _record(rank)
         try:
-            store = _store()
-            if rank != 0:
-                store.set(f"{_STORE_PREFIX}rank/{rank}", _record(rank))
-                _retire_alive(rank, None)
-                return  # posted: rank 0 tells the story once
-        except Exception as exc:
-            why = f"no job-wide summary: the process group's store failed ({type(exc).__name__})"
-            _emit_local(note=why, console=rank == 0)
-            return
+            if not _unchanged_since_group_end(record):
+                _post(store, record)
+            jobdir.retire_alive(rank, None)
+            return  # posted: rank 0 tells the story once
+        except jobstore.StoreUnavailable as exc:
+            store, store_note = None, f"no job-wide summary: {exc}"
     if rank != 0 and store is None and not _has_events():
-        _retire_alive(rank, None)
+        jobdir.retire_alive(rank, None)
         return  # nothing to report, and rank 0 does not wait for it: no file left behind
     directory = None
     try:
         directory = open_job_dir()
     except JobSummaryUnavailable as exc:
         if store is None:
-            _emit_local(note=f"no job-wide summary: {exc}", console=rank == 0)
+            _emit_local(note=store_note or f"no job-wide summary: {exc}", console=rank == 0)
             return
     if rank != 0 and directory is not None:
         try:
             directory.write(f"rank-{rank}.json", _record(rank))
-            _retire_alive(rank, directory)
+            jobdir.retire_alive(rank, directory)
         except OSError as exc:
             why = f"cannot write to {directory.path}: {exc.strerror or exc}"
             _emit_local(note=f"no job-wide summary: {why}", console=False)
         finally:
             directory.close()
         return
-    channels = _Channels(store, directory)
+    channels = Channels(store, directory)
     got = Gathered({}, "")
     try:
         own = RankRecord(events.process_id(), [k for k, _ in clean_keys(local_fields()["keys"])])
-        got = _gather(world, own, channels, timeout)
+        got = gather(world, own, channels, timeout)
     finally:
         channels.clean_up(list(got.records))
         if directory is not None:
             directory.close()
     _emit_job(got, world, timeout)
+
+
+def _unchanged_since_group_end(record: bytes) -> bool:
+    """True when this rank's counts are those it posted as it destroyed its group and it
+    announced no event: rank 0 has its whole story (and may be gone: no call to a store nobody
+    reads any more)."""
+    before = _posted["at_group_end"]
+    if not before or _announced["store"]:
+        return False
+    return _counts_of(before) == _counts_of(record)
+
+
+def _counts_of(raw: bytes) -> Any:
+    return json.loads(raw).get("keys")

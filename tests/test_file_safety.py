@@ -327,9 +327,10 @@ def test_a_rendezvous_directory_others_can_write_is_not_used(tmp_path: Path) -> 
         # issue 27, item 9: "²" is a digit to str.isdigit(), not to int()
         (
             {
-                "v": 2,
+                "v": 3,
                 "rank": 1,
                 "proc": "0123456789abcdef",
+                "phase": "exit",
                 "keys": [{"event": "internal_error", "count": 999, "ranks": {"²": 999}}],
             },
             "a per-rank key is not a rank",

@@ -240,3 +240,54 @@ def test_rotary_inputs_from_another_gpu_are_aligned() -> None:
     finally:
         attnguard.deactivate()
         events.reset_counts()
+
+
+# --- the job summary when the script destroys its group (nccl, each rank its own directory) --------
+
+_DESTROY = r"""
+import os, sys
+# two "nodes": each rank its own private directory, as ranks on two hosts share none
+os.environ["XDG_CACHE_HOME"] = os.path.join(sys.argv[2], "cache-" + os.environ["RANK"])
+os.environ.pop("XDG_RUNTIME_DIR", None)
+import torch, torch.distributed as dist, transformers
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], device_map="auto")
+with torch.no_grad():
+    model(input_ids=torch.tensor([[1, 2, 3, 4]], device=model.device))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_job_summary_counts_both_ranks_after_destroy_process_group(tmp_path: Path) -> None:
+    """torchrun x2 (nccl), every rank's device map rewritten (a change on each rank), the group
+    destroyed before exit, no directory shared between the ranks: rank 0's summary counts both."""
+    if not _hook_installed():
+        pytest.skip("attnguard's start-up hook is not installed (pip install . on this machine)")
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model_dir = tmp_path / "tiny-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    script = tmp_path / "destroy.py"
+    script.write_text(_DESTROY)
+    env = _env(ATTNGUARD="1", ATTNGUARD_LOG=str(tmp_path / "events-{rank}.jsonl"))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    res = subprocess.run(
+        [*cmd, str(model_dir), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "events-0.jsonl").read_text().splitlines()]
+    (job,) = [e for e in lines if e["event"] == "summary" and e["site"] == "job"]
+    assert job["ranks"] == [0, 1] and job["missing_ranks"] == [] and job["silent_ranks"] == []
+    assert job["event_ranks"]["device_map_rewritten"] == [0, 1]
+    assert job["as_of_group_end"] == []
