@@ -115,6 +115,11 @@ def _names(var: str, value: str | list[str] | tuple[str, ...], valid: tuple[str,
     return out
 
 
+def switched_on(value: str) -> bool:
+    """True when a value of the ATTNGUARD switch turns the guard on (an invalid one does not)."""
+    return value.strip().lower() in _TRUE
+
+
 def _switch(var: str, value: str) -> bool:
     v = value.strip().lower()
     if v in _TRUE:
