@@ -1,4 +1,4 @@
-"""Free to leave on (issue 28): with ``ATTNGUARD=1`` set for a whole environment, a Python that
+"""Free to leave on: with ``ATTNGUARD=1`` set for a whole environment, a Python that
 never imports transformers, flash_attn or xformers imports nothing of the guard's machinery;
 attnguard activates at the first import of one of them, before its code runs; settings are still
 checked at start-up. Fresh interpreters with the ``ATTNGUARD=1`` start-up hook throughout (cost
@@ -151,7 +151,7 @@ def test_a_child_that_gets_a_rank_of_its_own_is_a_rank_not_a_helper(tmp_path: Pa
 
 
 def test_a_misspelled_variable_is_named_once_and_the_guard_runs() -> None:
-    """``ATTNGUARD_MOOD=fix`` used to be ignored silently (issue 28, item 6)."""
+    """``ATTNGUARD_MOOD=fix`` used to be ignored silently."""
     code = (
         "import subprocess, sys, transformers.modeling_utils, attnguard\n"
         "subprocess.run([sys.executable, '-c', 'import attnguard'])  # a helper: its parent said it\n"
@@ -179,7 +179,7 @@ def test_a_huge_field_in_the_log_path_is_a_clear_error_under_a_memory_limit(
     spec: str, tmp_path: Path
 ) -> None:
     """``ATTNGUARD_LOG=/tmp/x{rank:>999999999d}`` allocated gigabytes at every start-up, and
-    under a memory limit said only ``MemoryError()`` (issue 27, item 13)."""
+    under a memory limit said only ``MemoryError()``."""
     value = str(tmp_path / f"x{{rank:{spec}}}")
     res = subprocess.run(
         [PY, "-c", "print('ran')"],
