@@ -96,21 +96,6 @@ def _is_cli_process() -> bool:
     return not script.startswith("-") and os.path.basename(script) == "attnguard"
 
 
-_reported = False
-
-
-def _say_once(line: str) -> None:
-    """One line on stderr, once per process (the hook's channel: no logging configured yet)."""
-    global _reported
-    if _reported:
-        return
-    _reported = True
-    try:
-        sys.stderr.write(line + "\n")
-    except BaseException:
-        pass
-
-
 def _say_unknown_variables() -> None:
     """Misspelled ATTNGUARD_* variables, one line each on stderr; the guard runs without them.
     Not in a helper: its guarded parent said them already."""
@@ -142,7 +127,7 @@ def activate_from_env() -> None:
     try:
         config.check()
     except ValueError as exc:
-        _say_once(f"{exc} (attnguard is off for this process)")
+        config.say(f"{exc} ({config.OFF})")
         return
     _say_unknown_variables()
     _arm()
@@ -156,7 +141,7 @@ def _activate_reporting() -> None:
     try:
         activate()
     except Exception as exc:
-        _say_once(f"{exc} (attnguard is off for this process)")
+        config.say(f"{exc} ({config.OFF})")
 
 
 # --- waiting for a library to guard ----------------------------------------------------------

@@ -370,6 +370,25 @@ def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict
     return values
 
 
+# How a refused activation's line ends (the program runs unguarded).
+OFF = "attnguard is off for this process"
+_said: set[str] = set()
+
+
+def say(line: str) -> None:
+    """One line on stderr, once per process for the same text: a bad setting, where no logging
+    is set up yet (the start-up hook) or none may be (a refused activation). Never raises."""
+    if line in _said:
+        return
+    _said.add(line)
+    try:
+        import sys
+
+        sys.stderr.write(line + "\n")
+    except BaseException:
+        pass
+
+
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     """One line per ATTNGUARD_* variable that is no setting (a misspelling is ignored, so the
     guard runs without it), naming the closest setting, else all of them. Names that differ

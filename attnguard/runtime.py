@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from . import events, launch
+from . import config, events, launch
 from .config import EnvironmentSettingError, Settings, load
 
 _lock = threading.RLock()
@@ -162,21 +162,10 @@ def _unpatch(name: str, part: str) -> None:
     _patched.pop((name, part), None)
 
 
-_said: set[str] = set()  # bad ATTNGUARD_* values already said on stderr
-
-
 def _refuse_environment(exc: ValueError) -> Settings:
     """A bad ATTNGUARD_* value from the environment: one line on stderr (once per value), the
     settings in force stay as they were (off, unless active already)."""
-    line = str(exc) + (
-        " (the settings in force stay)" if _active else " (attnguard is off for this process)"
-    )
-    if line not in _said:
-        _said.add(line)
-        try:
-            sys.stderr.write(line + "\n")
-        except Exception:
-            pass
+    config.say(f"{exc} ({'the settings in force stay' if _active else config.OFF})")
     return _settings
 
 

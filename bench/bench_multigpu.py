@@ -79,7 +79,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     n_gpus = torch.cuda.device_count() if cuda else 0
     device_map: Any = {"": f"cuda:{local_rank}"} if args.per_rank_by_hand else "auto"
-    kwargs: dict[str, Any] = {"device_map": device_map, "dtype": torch.bfloat16}
+    import transformers
+
+    release = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if release >= (4, 56) else "torch_dtype"  # dtype= from 4.56
+    kwargs: dict[str, Any] = {"device_map": device_map, dtype_kw: torch.bfloat16}
     if args.guard_by_hand:
         from attnguard.multigpu import plan_from_environment
 
