@@ -3,13 +3,14 @@
 ``ATTNGUARD=1`` is set once for a whole environment, so the start-up hook runs in every Python
 there: pip, shells' tools, tokenizer and DataLoader workers, launchers. In the hook nothing of the
 guard is imported until the program imports a library attnguard patches: the hook checks the
-ATTNGUARD_* values (a bad one is said at start-up, and the process runs unguarded), marks the
-process for its children (:func:`attnguard.launch.mark_process`) and puts :class:`_Watcher` in
-front of ``sys.meta_path``. The first import of transformers, flash_attn or xformers (or a
-call of attnguard's API) activates attnguard then, before that library's code runs, so its
-post-import patches land exactly as when attnguard was active from the start. A process that
-never imports them pays for this module, :mod:`attnguard.config` and :mod:`attnguard.launch`
-(standard-library ``os`` and ``sys`` only; bench/bench_startup.py measures it).
+ATTNGUARD_* values (a bad one is said at start-up, and the process runs unguarded), decides
+whether the process is a helper of a guarded parent (:mod:`attnguard.launch`) and asks
+:mod:`attnguard.importhooks` to call it back when transformers, flash_attn or xformers is first
+imported. That import (or a call of attnguard's API) activates attnguard then, in the library's
+loader before its code runs, so its post-import patches land exactly as when attnguard
+was active from the start. A process that never imports them pays for this module,
+:mod:`attnguard.config`, :mod:`attnguard.launch` and :mod:`attnguard.importhooks`
+(standard-library ``os``, ``sys`` and ``_thread`` only; bench/bench_startup.py measures it).
 
 Imports nothing heavy at module level.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import config, launch
+from . import config, importhooks, launch
 
 
 def _in_startup_hook() -> bool:
@@ -95,24 +96,12 @@ def _is_cli_process() -> bool:
     return not script.startswith("-") and os.path.basename(script) == "attnguard"
 
 
-_reported = False
-
-
-def _say_once(line: str) -> None:
-    """One line on stderr, once per process (the hook's channel: no logging configured yet)."""
-    global _reported
-    if _reported:
-        return
-    _reported = True
-    try:
-        sys.stderr.write(line + "\n")
-    except BaseException:
-        pass
-
-
 def _say_unknown_variables() -> None:
-    """Misspelled ATTNGUARD_* variables, one line each on stderr; the guard runs without them."""
+    """Misspelled ATTNGUARD_* variables, one line each on stderr; the guard runs without them.
+    Not in a helper: its guarded parent said them already."""
     try:
+        if launch.helper_of_guarded_parent():
+            return
         for line in config.unknown_variables():
             sys.stderr.write(line + "\n")
     except Exception:
@@ -120,94 +109,65 @@ def _say_unknown_variables() -> None:
 
 
 def activate_from_env() -> None:
-    """Activate with ATTNGUARD_* settings.
+    """Activate with ATTNGUARD_* settings, at ``import attnguard`` or in the start-up hook.
 
-    From user code a bad setting raises ValueError. Inside the interpreter start-up hook it is
-    printed once to stderr and the program runs unguarded: the hook never breaks Python; there
-    the settings are checked now and activation waits for a library to guard (:class:`_Watcher`).
+    A bad value (a variable set for a whole cluster must never stop the jobs there) is one line
+    on stderr naming the variable, the value and the valid values, and the program runs
+    unguarded; so is any other failure to activate. In the hook the settings are checked now and
+    activation waits for a library to guard (:func:`_arm`).
     """
     if _is_cli_process():
         return
     if _in_startup_hook() and _is_launcher_process():
         return
     if not _in_startup_hook():
-        from .runtime import activate
-
-        if not launch.mark_process():  # a helper's parent said it already
-            _say_unknown_variables()
-        activate()
+        _say_unknown_variables()
+        _activate_reporting()
         return
     try:
         config.check()
     except ValueError as exc:
-        _say_once(f"{exc} (attnguard is off for this process)")
+        config.say(f"{exc} ({config.OFF})")
         return
-    # Marked now, not at activation: children started before it are this process's helpers.
-    if not launch.mark_process():
-        _say_unknown_variables()
+    _say_unknown_variables()
     _arm()
 
 
 def _activate_reporting() -> None:
-    """Activate where no caller can take an error (the hook's deferred activation): a failure
-    is one line on stderr and the program runs unguarded."""
+    """Activate where no caller can take an error (``import attnguard``, the hook's deferred
+    activation): a failure is one line on stderr and the program runs unguarded."""
     from .runtime import activate
 
     try:
         activate()
     except Exception as exc:
-        _say_once(f"{exc} (attnguard is off for this process)")
+        config.say(f"{exc} ({config.OFF})")
 
 
 # --- waiting for a library to guard ----------------------------------------------------------
 
-
-class _Watcher:
-    """First on ``sys.meta_path`` while the start-up hook waits: the first import of a library
-    attnguard patches activates attnguard, then the import goes on through the other finders,
-    the post-import hook finder that activation put in front included (importlib asks each finder
-    under the import lock, so no other thread imports meanwhile)."""
-
-    def __init__(self, libraries: frozenset[str]) -> None:
-        self.libraries = libraries
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> object:
-        if fullname.partition(".")[0] not in self.libraries or _watcher is not self:
-            return None
-        activate_pending()
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            if finder is self or find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                return spec
-        return None
-
-
-_watcher: _Watcher | None = None
+_waiting = False  # the start-up hook waits for a library to guard (importhooks.call_before)
 
 
 def _arm() -> None:
-    global _watcher
-    libraries = frozenset(config.INTEGRATIONS)
+    global _waiting
+    libraries = config.INTEGRATIONS
     if any(name in sys.modules for name in libraries):
         _activate_reporting()  # one was imported before the hook ran (another .pth file)
         return
-    _watcher = _Watcher(libraries)
-    sys.meta_path.insert(0, _watcher)
+    _waiting = True
+    # Activation runs in the library's loader, before its code: never in a finder's
+    # find_spec, where Python holds its global import lock (see attnguard.importhooks).
+    importhooks.call_before(libraries, activate_pending)
 
 
 def _disarm() -> bool:
     """Stop waiting; True when the start-up hook was waiting."""
-    global _watcher
-    watcher, _watcher = _watcher, None
-    if watcher is None:
+    global _waiting
+    waiting, _waiting = _waiting, False
+    if not waiting:
         return False
-    try:
-        sys.meta_path.remove(watcher)
-    except ValueError:
-        pass
+    importhooks.cancel_before(activate_pending)
     return True
 
 

@@ -2,7 +2,9 @@
 
 Every other module receives a :class:`Settings` (:mod:`attnguard._settings`, re-exported here);
 none reads the environment itself. An invalid value raises ``ValueError`` naming the variable,
-the value and the valid values; a variable that is no setting (a misspelling) gets one line.
+the value and the valid values (:class:`EnvironmentSettingError` when it comes from the
+environment: activation then says it in one line and runs unguarded); a variable that is no
+setting (a misspelling) gets one line.
 
 Light on purpose: the start-up hook checks the raw values with :func:`check` in every guarded
 process, long before (and often instead of) anything else of attnguard, so this module imports
@@ -111,6 +113,11 @@ def _names(var: str, value: str | list[str] | tuple[str, ...], valid: tuple[str,
         if name not in valid:
             raise _bad(var, value, "a comma list of " + ", ".join(valid))
     return out
+
+
+def switched_on(value: str) -> bool:
+    """True when a value of the ATTNGUARD switch turns the guard on (an invalid one does not)."""
+    return value.strip().lower() in _TRUE
 
 
 def _switch(var: str, value: str) -> bool:
@@ -336,12 +343,22 @@ def check(environ: Mapping[str, str] | None = None) -> None:
     _values(os.environ if environ is None else environ, None)
 
 
+class EnvironmentSettingError(ValueError):
+    """A bad ATTNGUARD_* value in the environment (not in the caller's arguments): set for a
+    whole cluster, it must never stop a program, so activation says it and runs unguarded."""
+
+
 def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for var, fld in _ENV.items():
         raw = env.get(var)
+        if fld in (overrides or {}):
+            continue  # the caller's explicit value stands; the variable is not read
         if raw is not None and (raw.strip() or fld in ("enabled", "disable")):
-            values[fld] = _parse(fld, raw, env)
+            try:
+                values[fld] = _parse(fld, raw, env)
+            except ValueError as exc:
+                raise EnvironmentSettingError(str(exc)) from None
     for key, value in (overrides or {}).items():
         if key not in _VAR_OF:
             raise ValueError(
@@ -351,6 +368,25 @@ def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict
     if values.get("mode") == "off":
         values["enabled"] = False
     return values
+
+
+# How a refused activation's line ends (the program runs unguarded).
+OFF = "attnguard is off for this process"
+_said: set[str] = set()
+
+
+def say(line: str) -> None:
+    """One line on stderr, once per process for the same text: a bad setting, where no logging
+    is set up yet (the start-up hook) or none may be (a refused activation). Never raises."""
+    if line in _said:
+        return
+    _said.add(line)
+    try:
+        import sys
+
+        sys.stderr.write(line + "\n")
+    except BaseException:
+        pass
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

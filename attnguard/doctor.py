@@ -24,6 +24,41 @@ def _settings() -> Settings:
     return current if current.enabled else load()
 
 
+def guard_state() -> dict[str, Any]:
+    """Whether attnguard guards the programs run in this environment, as the doctor sees it:
+
+    * ``startup_hook_installed``: ``attnguard.pth`` is in this Python's site-packages;
+    * ``startup_hook_on``: installed and ``ATTNGUARD`` switched on here, so every Python started
+      with this environment guards itself (no code change);
+    * ``active_when_imported``: a program that imports attnguard is guarded (it is unless
+      ``ATTNGUARD`` is switched off or ``ATTNGUARD_MODE=off``).
+    """
+    import os
+    import site
+    import sysconfig
+
+    from .config import switched_on
+
+    places = {sysconfig.get_paths()["purelib"], *getattr(site, "getsitepackages", list)()}
+    installed = any(os.path.isfile(os.path.join(p, "attnguard.pth")) for p in places)
+    return {
+        "startup_hook_installed": installed,
+        "startup_hook_on": installed and switched_on(os.environ.get("ATTNGUARD", "")),
+        "active_when_imported": load().enabled,
+    }
+
+
+def _guard_line(state: dict[str, Any]) -> str:
+    if state["startup_hook_on"]:
+        hook = "start-up hook on (ATTNGUARD): every Python started here is guarded"
+    elif state["startup_hook_installed"]:
+        hook = "start-up hook installed, off (ATTNGUARD unset or off)"
+    else:
+        hook = "start-up hook not installed in this Python"
+    imported = "guarded" if state["active_when_imported"] else "not guarded (switched off)"
+    return f"guard: {hook}; a program that imports attnguard: {imported}"
+
+
 def collect() -> dict[str, Any]:
     """Facts, table and the sample plan as one JSON-friendly dict."""
     from .runtime import versions
@@ -32,9 +67,12 @@ def collect() -> dict[str, Any]:
     settings = _settings()
     flash_path = transformers_kernels.installed_flash_path()
     plan = plan_load(_sample_request(flash_path), facts, settings)
+    # the settings a guarded program here would use; whether one is guarded is "guard"'s to say
+    shown = {k: v for k, v in settings.as_dict().items() if k != "enabled"}
     return {
         "versions": versions(),
-        "settings": settings.as_dict(),
+        "guard": guard_state(),
+        "settings": shown,
         "facts": facts.as_dict(),
         "decision_table": [dict(r.__dict__) for r in TABLE],
         "flash_path": flash_path,
@@ -114,6 +152,7 @@ def render(as_json: bool = False) -> str:
     lines.append(
         "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v is not None)
     )
+    lines.append(_guard_line(data["guard"]))
     launch = facts.launch
     lines.append(
         f"launch: rank {launch.rank}, local_rank {launch.local_rank}, world_size {launch.world_size}"

@@ -1,8 +1,8 @@
 """Who this process is in a launched job: rank, local rank and world size from the launcher's
 environment (torchrun, accelerate, or set later by the program itself, as Ray actors do), and the
 launch identity that tells a rank of its own from a helper of its parent. Read fresh at every call:
-a variable set after start-up counts from then on. Imports ``os`` only: the start-up hook marks
-every guarded process with :func:`mark_process`."""
+a variable set after start-up counts from then on. Imports ``os`` only: the start-up hook asks
+:func:`helper_of_guarded_parent` in every guarded process."""
 
 from __future__ import annotations
 
@@ -100,29 +100,39 @@ def launcher_id() -> str:
     return _launcher[1]
 
 
-# Set by a guarded process for its children: "<pid>:<launch identity>". A child that finds another
-# pid with its own launch identity (same RANK, same launch) is a helper of that process
-# (DataLoader worker, a tool it runs), not a rank of the job; a torchrun worker has a new identity
-# (and a Ray actor gets one when it sets RANK: events.is_helper reads the identity again).
+# Set by a process when attnguard activates in it, for the children it starts from then on:
+# "<pid>:<launch identity>". A child that finds another pid with its own launch identity (same
+# RANK, same launch) is a helper of that process (DataLoader worker, a tokenizer or any tool it
+# runs), not a rank of the job; a torchrun worker has a new identity (and a Ray actor gets one
+# when it sets RANK: events.is_helper reads the identity again). A process that never activates
+# marks nothing and passes on what it inherited: a Python wrapper of a rank (launcher -> python
+# wrap.py -> python train.py) leaves its child a rank, and a tool an activated rank runs through
+# such a wrapper is still that rank's helper. The cost: a child started before its parent
+# activates is a program of its own, as it cannot be told apart from the rank a wrapper starts.
 PARENT_VAR = "ATTNGUARD_INTERNAL_PARENT"
-_marked: tuple[int, bool, str] | None = None  # (pid, helper, launch identity) as decided
+_decided: tuple[int, bool, str] | None = None  # (pid, helper, launch identity) as decided
 
 
-def mark_process() -> bool:
-    """True when this process is a helper of a guarded parent; otherwise mark it the parent of
-    its own children (they inherit the variable). Decided at start-up by the hook when it runs
-    (so children it starts before attnguard activates are its helpers), else at activation; a
-    forked child decides anew, and so does a helper whose launch identity has changed since."""
-    global _marked
+def helper_of_guarded_parent() -> bool:
+    """True when this process is a helper of a process where attnguard was active when it
+    started this one (see :data:`PARENT_VAR`). Decided once: at start-up by the hook when it
+    runs, else at activation; a forked child decides anew, and so does a helper whose launch
+    identity has changed since (a Ray actor setting RANK before it imports what is guarded)."""
+    global _decided
     me, mine = os.getpid(), launch_identity()
-    if _marked is not None and _marked[0] == me and (not _marked[1] or _marked[2] == mine):
-        return _marked[1]
-    # decided anew: first here, in a forked child, or a helper at start-up that has since got a
-    # launch identity of its own (a Ray actor setting RANK before it imports what is guarded)
+    if _decided is not None and _decided[0] == me and (not _decided[1] or _decided[2] == mine):
+        return _decided[1]
     mark = os.environ.get(PARENT_VAR, "")
     pid, _, identity = mark.partition(":")
     helper = bool(mark) and pid != str(me) and identity == mine
+    _decided = (me, helper, mine)
+    return helper
+
+
+def mark_process() -> bool:
+    """At activation: True when this process is a helper of a guarded parent; otherwise mark it
+    the parent of the children it starts from now on (they inherit the variable)."""
+    helper = helper_of_guarded_parent()
     if not helper:
-        os.environ[PARENT_VAR] = f"{me}:{mine}"
-    _marked = (me, helper, mine)
+        os.environ[PARENT_VAR] = f"{os.getpid()}:{launch_identity()}"
     return helper

@@ -50,7 +50,7 @@ class Rule:
     """One row of the decision table."""
 
     id: str
-    family: str  # failure family of DESIGN §1 ("A", "B", "E", "C"), or "-" for a guard rail
+    family: str  # failure family (README's table: "A", "B", "E", "C"), or "-" for a guard rail
     when: str
     then: str
     event: str
@@ -336,7 +336,7 @@ class Plan:
     attn_implementation: str | Mapping[str, str | None] | None = None  # to load with
     dtype: str | None = None  # load dtype to inject; None = leave as requested
     device: str | None = None  # place the model here; None = leave
-    device_map: Any = None  # new device_map (issue 5); None = leave
+    device_map: Any = None  # new device_map (one replica per rank); None = leave
     max_memory: Mapping[Any, Any] | None = None
     replaced_backends: frozenset[str] = field(default_factory=frozenset)
     # "sdpa": flash kept as the code path, its kernel calls computed by the SDPA twins
@@ -898,7 +898,7 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
 
 
 def _device_map_decision(request: LoadRequest, facts: Facts) -> Any:
-    """attnguard.multigpu's pure planner with these facts (issue 5)."""
+    """attnguard.multigpu's pure planner with these facts."""
     from .multigpu import plan_device_map, spreads_over_ranks
 
     if not spreads_over_ranks(request.device_map, facts.launch.world_size):

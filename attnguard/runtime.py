@@ -1,6 +1,7 @@
 """Activation state: settings in force, which integrations are patched, post-import hooks.
 
-Patches land as soon as their library is imported (wrapt post-import hooks), so
+Patches land as soon as their library is imported (post-import hooks of
+:mod:`attnguard.importhooks`, which never import nor wait inside a finder), so
 ``from flash_attn import flash_attn_func`` in user code binds the guarded function when attnguard
 was activated first. Hooks cannot be unregistered; after :func:`deactivate` they do nothing.
 """
@@ -12,8 +13,8 @@ import sys
 import threading
 from typing import Any
 
-from . import events, launch
-from .config import Settings, load
+from . import config, events, launch
+from .config import EnvironmentSettingError, Settings, load
 
 _lock = threading.RLock()
 _settings = Settings(enabled=False)
@@ -100,8 +101,7 @@ def _on_import(name: str, part: str, module: Any) -> None:
 
 
 def _register_hooks() -> None:
-    import wrapt
-
+    from . import importhooks
     from .patches import INTEGRATIONS
 
     for name, parts in INTEGRATIONS.items():
@@ -112,12 +112,12 @@ def _register_hooks() -> None:
                 continue
             _hooks_registered.add((name, part))
             # Fires immediately when the module is already imported.
-            wrapt.register_post_import_hook(
+            importhooks.register_post_import_hook(
                 lambda mod, _n=name, _p=part: _on_import(_n, _p, mod), target
             )
     if _JOB_PART not in _hooks_registered:
         _hooks_registered.add(_JOB_PART)
-        wrapt.register_post_import_hook(_on_distributed_import, "torch.distributed")
+        importhooks.register_post_import_hook(_on_distributed_import, "torch.distributed")
     elif "torch.distributed" in sys.modules:
         _on_distributed_import(sys.modules["torch.distributed"])
 
@@ -195,11 +195,22 @@ def _unpatch_job() -> None:
         _unpatch(*_JOB_PART)
 
 
+def _refuse_environment(exc: ValueError) -> Settings:
+    """A bad ATTNGUARD_* value from the environment: one line on stderr (once per value), the
+    settings in force stay as they were (off, unless active already)."""
+    config.say(f"{exc} ({'the settings in force stay' if _active else config.OFF})")
+    return _settings
+
+
 def activate(**overrides: Any) -> Settings:
     """Switch the guard on with ATTNGUARD_* settings plus ``overrides``; idempotent.
 
-    Raises ValueError (naming the setting, the value and the valid values) on bad input,
-    including a log file that cannot be written; the settings in force then stay as they were.
+    A bad argument raises ValueError (naming the setting, the value and the valid values), as
+    does a log file asked for here that cannot be written; the settings in force then stay as
+    they were. An explicit argument stands over its ATTNGUARD_* variable, which is then not
+    read. A bad ATTNGUARD_* value (or an ATTNGUARD_LOG file that cannot be written) never
+    raises: a variable set for a whole cluster must not stop the programs there. It is one line
+    on stderr, and the settings in force stay as they were (off, unless active already).
 
     A change of settings while active is atomic for running code: patches read the settings
     at every call, so only integrations whose permission changes are patched or unpatched (a
@@ -207,7 +218,10 @@ def activate(**overrides: Any) -> Settings:
     streams are swapped in one step each.
     """
     global _settings, _active, _overrides
-    new = load(overrides=overrides)
+    try:
+        new = load(overrides=overrides)
+    except EnvironmentSettingError as exc:
+        return _refuse_environment(exc)
     with _lock:
         if _active and new == _settings:
             _overrides = dict(overrides)
@@ -219,11 +233,18 @@ def activate(**overrides: Any) -> Settings:
             _overrides = dict(overrides)
             _settings = new
             return new
-        helper = events.is_helper() if events.marked() else launch.mark_process()
+        helper = events.is_helper() if events.marked() else launch.helper_of_guarded_parent()
         # Helpers open their (shared, per-rank) file at their first line only. A bad path
         # raises here, before anything changed.
-        events.configure_sinks(new, eager=not helper)
+        try:
+            events.configure_sinks(new, eager=not helper)
+        except ValueError as exc:
+            if "log" in overrides:
+                raise
+            return _refuse_environment(exc)  # ATTNGUARD_LOG's file cannot be written
         events.set_helper(helper)
+        if not helper:
+            launch.mark_process()  # the children it starts from now on are its helpers
         for name, part in reversed(list(_patched)):
             if not new.allows(name):
                 _unpatch(name, part)

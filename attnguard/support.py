@@ -49,7 +49,7 @@ TORCH_GPU = "2.11.0"  # +cu130, the GPU image
 
 MATRIX: tuple[Component, ...] = (
     # The floor is the oldest Python a test run uses: 3.10 reached its end of life in October
-    # 2026, and no CPU build of the pinned torch exists for it where CI runs (issue 28).
+    # 2026, and no CPU build of the pinned torch exists for it where CI runs.
     Component("python", ">=3.11", ("3.11", "3.12"), "CI on 3.11 (CPU); the GPU suite on 3.12"),
     Component(
         "torch", ">=2.4", (TORCH_CI, TORCH_GPU), "CI on 2.13.0 (CPU); the GPU suite on 2.11.0"

@@ -10,7 +10,7 @@ Rows:
   path, so that row uses bf16 tensors on the "meta" device: same checks, no kernel);
 * flash_attn_func / xformers memory_efficient_attention direct entry points, no-op kernel, meta.
 
-Usage: PYTHONPATH=. python bench/bench_call_overhead.py [--repeats 41] [--number 5000]
+Usage: PYTHONPATH=. python bench/bench_call_overhead.py [--repeats 41] [--number 5000] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
+import _smoke
 import torch
 
 import attnguard
-from attnguard import callguard
+from attnguard import callguard, routing
 
 
 def _paired_ns(
@@ -50,19 +51,33 @@ def _noop_attention(module: Any, query: Any, key: Any, value: Any, mask: Any, **
     return query, None
 
 
-def _noop_direct(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
+def _noop_flash(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> Any:
     return q
 
 
-def _direct_spec(site: str, kind: str, tensors: tuple[str, ...]) -> callguard.DirectSpec:
-    return callguard.DirectSpec(site, kind, _noop_direct, _noop_direct, tensors)
+def _noop_xformers(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+    return query
+
+
+def _direct_entry(name: str, kind: str, original: Callable[..., Any]) -> callguard.Entry:
+    """The entry the flash_attn / xformers patches build, around a no-op kernel."""
+    if kind == routing.FLASH_KERNEL:
+        tensors, mask = callguard.FLASH_TENSOR_PARAMS[name], None
+    else:
+        tensors, mask = callguard.XFORMERS_TENSOR_PARAMS, "attn_bias"
+    return callguard.Entry(
+        name, kind, original, tensors=tensors, twin=original, mask=mask, site=f"bench.{name}"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=41)
     ap.add_argument("--number", type=int, default=5000)
+    ap.add_argument("--smoke", action="store_true", help="CI: every row, a few calls each")
     opts = ap.parse_args()
+    if opts.smoke:
+        opts.repeats, opts.number = 3, 20
     torch.set_num_threads(1)
     attnguard.activate(log="none")
 
@@ -105,22 +120,22 @@ def main() -> None:
         )
     )
     flash_direct = callguard.wrap_direct(
-        _direct_spec("bench.flash_attn_func", callguard.KIND_FLASH, ("q", "k", "v"))
+        _direct_entry("flash_attn_func", routing.FLASH_KERNEL, _noop_flash)
     )
     rows.append(
         (
             "flash_attn_func, no-op kernel (meta bf16)",
-            lambda: _noop_direct(mq, mk, mv, causal=True),
+            lambda: _noop_flash(mq, mk, mv, causal=True),
             lambda: flash_direct(mq, mk, mv, causal=True),
         )
     )
     xf_direct = callguard.wrap_direct(
-        _direct_spec("bench.memory_efficient_attention", "xformers", ("query", "key", "value"))
+        _direct_entry("memory_efficient_attention", routing.XFORMERS, _noop_xformers)
     )
     rows.append(
         (
             "xformers memory_efficient_attention, no-op kernel (meta bf16)",
-            lambda: _noop_direct(mq, mk, mv, None),
+            lambda: _noop_xformers(mq, mk, mv, None),
             lambda: xf_direct(mq, mk, mv, None),
         )
     )
@@ -136,6 +151,10 @@ def main() -> None:
         plain(), guarded()  # warm up
         base, with_guard, added = _paired_ns(plain, guarded, opts.number, opts.repeats)
         print(f"{label:64s} {base:13.0f} {with_guard:11.0f} {added:9.0f}")
+        if opts.smoke:
+            _smoke.ran(label)
+    if opts.smoke:
+        raise SystemExit(_smoke.done())
 
 
 if __name__ == "__main__":

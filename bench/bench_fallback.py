@@ -1,5 +1,5 @@
 """GPU benchmark: the run a user gets from ``from_pretrained(fp32_checkpoint,
-attn_implementation="flash_attention_2")`` (no dtype, no device_map: the seed-000/004 call) with
+attn_implementation="flash_attention_2")`` (no dtype, no device_map: family E's call) with
 attnguard, against the run they would write by hand with a working flash-attn.
 
 Scenarios, each in a fresh process (flash-attn's availability is a per-process fact):
@@ -21,6 +21,8 @@ time (>= 1.0: at least as fast as the hand-fixed flash run).
     python bench/bench_fallback.py [--layers 24] [--batch 4] [--seq 2048] [--iters 20]
 
 Needs CUDA and the real flash-attn on PYTHONPATH (scripts/gpu_suite.sh); exits 2 without CUDA.
+``--smoke`` (CI): a 2-layer model of width 64 on the CPU, the ``guarded_broken`` scenario (the
+others need a GPU, or run the same code), wall-clock times; the others are said to be skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 FLASH = "flash_attention_2"
+DEV = "cuda"  # "cpu" with --smoke
 SCENARIOS = ("hand_fa2", "guarded_fa2", "guarded_broken", "guarded_absent", "hand_sdpa")
 # ab_fa2 (run last): the guard switched off and on in one process over a hand-fixed FA2 model
 
@@ -44,6 +48,11 @@ SCENARIOS = ("hand_fa2", "guarded_fa2", "guarded_broken", "guarded_absent", "han
 def qwen2_05b(layers: int) -> Any:
     from transformers import Qwen2Config
 
+    if DEV == "cpu":  # smoke size
+        size = dict(vocab_size=150001, hidden_size=64, intermediate_size=128)
+        return Qwen2Config(
+            **size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        )
     return Qwen2Config(
         vocab_size=151936,
         hidden_size=896,
@@ -65,15 +74,25 @@ def make_checkpoint(path: Path, layers: int) -> None:
     torch.manual_seed(0)
     cfg = qwen2_05b(layers)
     cfg._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg)  # float32: the checkpoint the issue's user has
+    with torch.device(DEV):
+        model = Qwen2ForCausalLM(cfg)  # float32: the checkpoint family E's users have
     model.save_pretrained(path)
 
 
 def time_ms(fn: Any, iters: int) -> float:
     """Median of ``iters`` timed calls (CUDA events) after 3 warm-up calls."""
+    import time
+
     import torch
 
+    if DEV == "cpu":  # smoke: wall clock
+        fn()
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -96,8 +115,8 @@ def workloads(model: Any, batch: int, seq: int) -> tuple[Any, Any]:
     import torch
     from transformers import DynamicCache
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (batch, seq), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(3, 150000, (batch, seq), device=DEV, generator=g)
     cache = DynamicCache()
     model(input_ids=ids, past_key_values=cache, use_cache=True)
     step = ids[:, -1:]
@@ -107,7 +126,7 @@ def workloads(model: Any, batch: int, seq: int) -> tuple[Any, Any]:
 
     def decode() -> None:
         model(input_ids=step, past_key_values=cache, use_cache=True)
-        cache.crop(seq)
+        cache.crop(-1)  # back to the same context length (a negative count: every release)
 
     return prefill, decode
 
@@ -147,8 +166,8 @@ def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[st
         info["flash_attn_kernel"] = "importable"
     except ImportError as exc:
         info["flash_attn_kernel"] = f"not importable ({type(exc).__name__})"
-    if p.device.type != "cuda":
-        info["error"] = "the model is not on the GPU"
+    if p.device.type != DEV:
+        info["error"] = f"the model is not on the {DEV}"
         return info
     with torch.no_grad():
         prefill, decode = workloads(model, batch, seq)
@@ -211,11 +230,48 @@ def run_scenario(scenario: str, path: Path, args: argparse.Namespace, broken: Pa
     env.pop("ATTNGUARD", None)
     cmd = [sys.executable, __file__, "--child", scenario, "--path", str(path)]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--iters", str(args.iters)]
+    cmd += ["--smoke"] if args.smoke else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
         return {"scenario": scenario, "error": (res.stderr or res.stdout)[-1500:]}
     return json.loads(lines[-1])
+
+
+def make_broken(root: Path) -> Path:
+    """A flash_attn_2_cuda that fails to import, as a build for another torch does."""
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "flash_attn_2_cuda.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.cpython-312-x86_64-linux-gnu.so: undefined "
+        "symbol: _ZN3c104cuda9SetDeviceEi (a build for another torch)')\n"
+    )
+    return broken
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """The scenarios that need no GPU, tiny, on the CPU: loading and running for real."""
+    import _smoke
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "tiny-fp32"
+        make_checkpoint(ckpt, args.layers)
+        broken = make_broken(Path(tmp))
+        for scenario in ("guarded_broken",):
+            r = run_scenario(scenario, ckpt, args, broken)
+            if "prefill_ms" not in r:
+                print(f"{scenario}: error: {r.get('error', '?')[-1500:]}")
+                return 1
+            print(
+                f"| {scenario} | {r['attn_implementation']}, {r['dtype']}, {r['device']} "
+                f"| {r['flash_attn_kernel']} | prefill {r['prefill_ms']:.2f} ms "
+                f"| decode {r['decode_ms']:.2f} ms | events: {', '.join(r['events'])} |"
+            )
+            _smoke.ran(f"{scenario}: load, prefill and decode on the CPU")
+    for scenario in ("hand_fa2", "guarded_fa2", "hand_sdpa", "ab_fa2"):
+        _smoke.skipped(scenario, "needs a CUDA GPU and the real flash-attn")
+    _smoke.skipped("guarded_absent", "the same code as guarded_broken; one CPU process is enough")
+    return _smoke.done()
 
 
 def main() -> int:
@@ -227,7 +283,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--child")
     ap.add_argument("--path")
+    ap.add_argument("--smoke", action="store_true", help="CI: tiny, on the CPU, no-GPU scenarios")
     args = ap.parse_args()
+    if args.smoke:
+        global DEV
+        DEV = "cpu"
+        args.batch, args.seq, args.iters, args.rounds = 1, 16, 1, 1
     if args.child == "ab_fa2":
         print(json.dumps(child_ab(args.path, args.batch, args.seq, args.iters)))
         return 0
@@ -236,18 +297,15 @@ def main() -> int:
         return 0
     import torch
 
+    if args.smoke:
+        return smoke(args)
     if not torch.cuda.is_available():
-        print("bench_fallback: needs a CUDA GPU")
+        print("bench_fallback: needs a CUDA GPU (--smoke runs a tiny CPU version)")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "qwen2-0.5b-fp32"
         make_checkpoint(ckpt, args.layers)
-        broken = Path(tmp) / "broken"
-        broken.mkdir()
-        (broken / "flash_attn_2_cuda.py").write_text(
-            "raise ImportError('flash_attn_2_cuda.cpython-312-x86_64-linux-gnu.so: undefined "
-            "symbol: _ZN3c104cuda9SetDeviceEi (a build for another torch)')\n"
-        )
+        broken = make_broken(Path(tmp))
         # Fresh processes differ by more than the scenarios do (GPU clocks, allocator state):
         # run the scenarios in --rounds rounds, each in another order, and take each scenario's
         # ratio against hand_fa2 of the same round.

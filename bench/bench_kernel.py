@@ -2,8 +2,8 @@
 
 Two measurements (``--parts``; the default runs both in about 250 s on an H200):
 
-* ``fresh`` — what a job gets from its FIRST process on a fresh machine (issue 30), measured
-  the way issue 30 measured it: separate processes, each a job of its own on a
+* ``fresh`` — what a job gets from its FIRST process on a fresh machine, measured
+  in separate processes, each a job of its own on a
   Qwen2-0.5B-shaped model (24 layers, head_dim 64, bf16, ``attn_implementation=
   "flash_attention_2"``, on the GPU). "off" imports no attnguard at all; "on" runs with
   ``ATTNGUARD_KERNEL=fastest`` and an empty decision cache of its own (``ATTNGUARD_KERNEL_CACHE``
@@ -55,6 +55,10 @@ from bench_twins import ab, gpu_ms, lengths, packed_row, qwen2_05b, row  # noqa:
 
 PARTS = ("fresh", "dense", "packed", "decode", "7b")
 DEFAULT_PARTS = "fresh,dense,packed,decode"
+DEV = "cuda"  # "cpu" with --smoke
+DENSE = ((4, 4096), (1, 16384), (1, 32768))  # (batch, tokens) of the dense rows
+PACK = (64, 64, 512)  # sequences in the packed row, their shortest and longest
+DECODE = (4, 2048)  # batch, context of the decode step
 
 
 def qwen2_7b(layers: int) -> Any:
@@ -76,11 +80,14 @@ def qwen2_7b(layers: int) -> Any:
 
 def build(cfg: Any) -> Any:
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    if DEV == "cpu":  # --smoke: 2 layers of width 64
+        size = dict(vocab_size=150001, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        cfg = Qwen2Config(**size, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     cfg._attn_implementation = "flash_attention_2"
-    with torch.device("cuda"):
+    with torch.device(DEV):
         return Qwen2ForCausalLM(cfg).to(torch.bfloat16)
 
 
@@ -147,7 +154,7 @@ def measure(
     return [row(name, res)]
 
 
-# --- fresh: separate processes, an empty decision cache (issue 30) -------------------------------
+# --- fresh: separate processes, an empty decision cache ------------------------------------------
 
 FRESH_SHAPES = ((4, 4096), (1, 16384), (1, 32768))
 FRESH_WARM, FRESH_TIMED = 2, 3  # steps per shape: warm-up (the races of "on"), then timed
@@ -160,10 +167,12 @@ FRESH_PACKS_WARM = 2
 def _step_ms(fn: Callable[[], Any]) -> float:
     import torch
 
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     return (time.perf_counter() - t) * 1e3
 
 
@@ -189,7 +198,7 @@ def child(mode: str, cache_dir: str) -> int:
 
     model = build(qwen2_05b(24))
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the weights stay put
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEV).manual_seed(0)
     rows: dict[str, list[float] | None] = {}
 
     def row_of(name: str, fn: Callable[[], Any], warm: int, timed: int) -> None:
@@ -201,7 +210,7 @@ def child(mode: str, cache_dir: str) -> int:
 
     with capture as seen:
         for b, s in FRESH_SHAPES:
-            ids = torch.randint(3, 150000, (b, s), device="cuda", generator=g)
+            ids = torch.randint(3, 150000, (b, s), device=DEV, generator=g)
             batch = {"input_ids": ids, "labels": ids}
             model.train()
             row_of(
@@ -211,7 +220,7 @@ def child(mode: str, cache_dir: str) -> int:
             row_of(f"prefill {b} x {s}", prefill(model, ids), FRESH_WARM, FRESH_TIMED)
             del ids, batch
         model.train()
-        packs = [packed_row(lengths(n, 64, 512, seed=164 + n)) for n in FRESH_PACKS]
+        packs = [packed_row(lengths(n, *PACK[1:], seed=164 + n)) for n in FRESH_PACKS]
         totals = [int(p["input_ids"].shape[1]) for p in packs]
         name = f"packed-row training step, total {min(totals)}-{max(totals)} tokens"
         times = [_step_ms(train_step(model, opt, p)) for p in packs]
@@ -229,9 +238,10 @@ def child(mode: str, cache_dir: str) -> int:
     return 0
 
 
-def _run_child(mode: str, cache_dir: str) -> dict[str, Any]:
+def _run_child(mode: str, cache_dir: str, smoke: bool = False) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--cache", cache_dir]
+    cmd += ["--smoke"] if smoke else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     line = next((x for x in res.stdout.splitlines() if x.startswith("CHILD ")), None)
     if res.returncode != 0 or line is None:
@@ -311,9 +321,9 @@ def dense_parts(args: argparse.Namespace) -> list[str]:
     model = build(qwen2_05b(24))
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the weights stay put
     lines = []
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for b, s in ((4, 4096), (1, 16384), (1, 32768)):
-        ids = torch.randint(3, 150000, (b, s), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for b, s in DENSE:
+        ids = torch.randint(3, 150000, (b, s), device=DEV, generator=g)
         batch = {"input_ids": ids, "labels": ids}
         model.train()
         lines += measure(
@@ -330,10 +340,10 @@ def packed_part(args: argparse.Namespace) -> list[str]:
 
     model = build(qwen2_05b(24)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
-    batch = packed_row(lengths(64, 64, 512, seed=164))
+    batch = packed_row(lengths(*PACK, seed=164))
     n = batch["input_ids"].shape[1]
     lines = measure(
-        f"training step, one packed row of 64 sequences ({n} tokens)",
+        f"training step, one packed row of {PACK[0]} sequences ({n} tokens)",
         lambda: train_step(model, opt, batch),
         args,
     )
@@ -345,8 +355,8 @@ def decode_part(args: argparse.Namespace) -> list[str]:
     from transformers import DynamicCache
 
     model = build(qwen2_05b(24)).eval()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (4, 2048), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(3, 150000, DECODE, device=DEV, generator=g)
     cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -355,18 +365,18 @@ def decode_part(args: argparse.Namespace) -> list[str]:
         def run() -> Any:
             with torch.no_grad():
                 model(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True)
-            cache.crop(2048)
+            cache.crop(-1)  # back to the context (a negative count: every release)
 
         return run
 
-    return measure("decode step, batch 4, context 2048", make, args)
+    return measure(f"decode step, batch {DECODE[0]}, context {DECODE[1]}", make, args)
 
 
 def seven_b_prefill(args: argparse.Namespace) -> list[str]:
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (1, 16384), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(3, 150000, (1, 16384), device=DEV, generator=g)
     model = build(qwen2_7b(28)).eval()
     return measure("7B-shaped (28 layers) prefill 1 x 16384", lambda: prefill(model, ids), args)
 
@@ -374,8 +384,8 @@ def seven_b_prefill(args: argparse.Namespace) -> list[str]:
 def seven_b_train(args: argparse.Namespace) -> list[str]:
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(3, 150000, (1, 16384), device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    ids = torch.randint(3, 150000, (1, 16384), device=DEV, generator=g)
     model = build(qwen2_7b(8)).train()
     opt = torch.optim.AdamW(model.parameters(), lr=0.0)
     batch = {"input_ids": ids, "labels": ids}
@@ -391,6 +401,43 @@ def seven_b_part(args: argparse.Namespace) -> list[str]:
     return lines + seven_b_train(args)
 
 
+def smoke_sizes() -> None:
+    """--smoke: a 2-layer model of width 64 on the CPU, shapes a CPU computes in a moment."""
+    global DEV, DENSE, PACK, DECODE, FRESH_SHAPES, FRESH_PACKS
+    import bench_twins
+
+    DEV = bench_twins.DEV = "cpu"
+    DENSE, PACK, DECODE = ((1, 32),), (4, 8, 32), (2, 32)
+    FRESH_SHAPES, FRESH_PACKS = ((1, 32),), (3, 5, 4)
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """What a CPU can run of this bench: the one-process parts and the first "on" process of
+    the fresh part, with attnguard keeping transformers' flash path on its twins."""
+    import _smoke
+
+    import attnguard
+
+    args.rounds, args.iters = 2, 1
+    attnguard.activate(
+        log="none", kernel="requested", kernel_cache=tempfile.mkdtemp(prefix="attnguard-bench-")
+    )
+    print("| measured | off ms | on ms | ratio [min, max] |")
+    print("|---|---|---|---|")
+    for part, run in (("dense", dense_parts), ("packed", packed_part), ("decode", decode_part)):
+        for line in run(args):
+            print(line, flush=True)
+        _smoke.ran(f"{part}: the switch off and on, guarded, on the CPU")
+    got = _run_child("on", tempfile.mkdtemp(prefix="attnguard-bench-fresh-"), smoke=True)
+    for name, times in got["rows"].items():
+        print(f"fresh, first process with the switch on: {name}: {times} ms")
+    _smoke.ran("fresh: the first process with the switch on and an empty cache")
+    _smoke.skipped("fresh: the processes without attnguard", "flash on a CPU raises unguarded")
+    _smoke.skipped("the races", "ATTNGUARD_KERNEL=fastest races GPU kernels; a CPU has none")
+    _smoke.skipped("7b", "a 7B-shaped model needs a GPU")
+    return _smoke.done()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=DEFAULT_PARTS, help=f"of {', '.join(PARTS)}")
@@ -399,9 +446,14 @@ def main() -> int:
     ap.add_argument("--fresh-rounds", type=int, default=2)
     ap.add_argument("--child", choices=("off", "on"), help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help="CI: tiny, on the CPU, guarded only")
     args = ap.parse_args()
+    if args.smoke:
+        smoke_sizes()
     if args.child:
         return child(args.child, args.cache)
+    if args.smoke:
+        return smoke(args)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
     if unknown:

@@ -15,7 +15,8 @@ API) is put on the children's path; the table says which one ran.
 
     python bench/bench_load.py [--repeats 3] [--layers 24] [--batch 8] [--seq 1024]
 
-Needs CUDA: on a machine without it, it says so and exits with status 2.
+Needs CUDA: on a machine without it, it says so and exits with status 2. ``--smoke`` (CI): the
+remedied child on the CPU with a 2-layer model of width 64 (the others are said to be skipped).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 STANDINS = REPO / "tests" / "standins"
 FLASH = "flash_attention_2"
+DEV = "cuda"  # "cpu" with --smoke
 
 
 def _status_kib(field: str) -> int:
@@ -70,6 +73,9 @@ class AnonPeak:
 def _qwen2_config(layers: int) -> Any:
     import transformers
 
+    if DEV == "cpu":  # smoke size
+        size = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        return transformers.Qwen2Config(**size, num_attention_heads=4, num_key_value_heads=2)
     return transformers.Qwen2Config(
         vocab_size=151936,
         hidden_size=896,
@@ -108,8 +114,14 @@ def child(mode: str, ckpt: str, batch: int, seq: int) -> dict[str, Any]:
     import transformers
 
     auto = transformers.AutoModelForCausalLM
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")  # the CUDA context is not part of the load
+
+    def sync() -> None:
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+
+    if DEV == "cuda":
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # the CUDA context is not part of the load
     rss_before = _status_kib("VmRSS")
     anon_before = _status_kib("RssAnon")
     anon = AnonPeak()
@@ -127,7 +139,7 @@ def child(mode: str, ckpt: str, batch: int, seq: int) -> dict[str, Any]:
         )
     else:
         raise SystemExit(f"unknown mode {mode}")
-    torch.cuda.synchronize()
+    sync()
     load_s = time.perf_counter() - t0
     anon_peak = anon.stop()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -143,14 +155,20 @@ def child(mode: str, ckpt: str, batch: int, seq: int) -> dict[str, Any]:
         "attn": model.config._attn_implementation,
     }
     if mode.startswith("fwd"):
-        ids = torch.randint(0, 1000, (batch, seq), device="cuda")
+        ids = torch.randint(0, 1000, (batch, seq), device=DEV)
         model.eval()
+        warm, timed = (1, 2) if DEV == "cpu" else (10, 40)
         with torch.no_grad():
-            for _ in range(10):
+            for _ in range(warm):
                 model(input_ids=ids)
-            torch.cuda.synchronize()
+            sync()
             times = []
-            for _ in range(40):
+            for _ in range(timed):
+                if DEV == "cpu":
+                    t = time.perf_counter()
+                    model(input_ids=ids)
+                    times.append(time.perf_counter() - t)
+                    continue
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -167,6 +185,7 @@ def child(mode: str, ckpt: str, batch: int, seq: int) -> dict[str, Any]:
 def run_child(mode: str, ckpt: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--ckpt", ckpt]
     cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--smoke"] if args.smoke else []
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in res.stdout.splitlines() if x.startswith("RESULT")]
     if res.returncode != 0 or not lines:
@@ -193,6 +212,26 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def smoke(args: argparse.Namespace) -> int:
+    """The guarded child, tiny, on the CPU: the load and the forward of the remedied model."""
+    import _smoke
+
+    env, which = _flash_env()
+    print(f"flash: {which}")
+    with tempfile.TemporaryDirectory() as root:
+        ckpts = make_checkpoints(Path(root), args.layers)
+        for mode, dtype in (("fwd_remedied", "float32"),):
+            r = run_child(mode, ckpts[dtype], args, env)
+            shown = {k: v for k, v in r.items() if not k.endswith("_gib")}
+            print(f"{mode}: {json.dumps(shown)}")
+            _smoke.ran(f"{mode} ({r['attn']}, {','.join(r['dtypes'])} on {','.join(r['devices'])})")
+    for mode in ("load_manual", "fwd_manual"):
+        _smoke.skipped(mode, "the hand-made load puts the model on a CUDA GPU")
+    _smoke.skipped("load_remedy", "its load is fwd_remedied's (one CPU process is enough)")
+    _smoke.skipped("the placement and cast remedies", "no CUDA GPU here: nothing to place or cast")
+    return _smoke.done()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -202,13 +241,20 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--smoke", action="store_true", help="CI: the remedied child, on the CPU")
     args = parser.parse_args()
+    if args.smoke:
+        global DEV
+        DEV = "cpu"
+        args.batch, args.seq = 1, 16
     if args.child:
         print("RESULT" + json.dumps(child(args.child, args.ckpt, args.batch, args.seq)))
         return 0
 
     import torch
 
+    if args.smoke:
+        return smoke(args)
     if not torch.cuda.is_available():
         print("bench_load.py needs a CUDA GPU; none is visible here. Nothing measured.")
         return 2

@@ -10,13 +10,15 @@ family C pattern) and generates (batch 8, 64 new tokens, greedy) on every rank a
 * guarded (ATTNGUARD=1, attnguard installed): device_map rewritten to one GPU per rank;
 * by hand (no attnguard, ``device_map={"": local_rank}``): the user's own fix, for reference.
 
-Prints per-rank generate throughput, the guarded/unguarded ratio (target >= 1.8x, DESIGN.md §2b
-measured ~1.9x) and peak memory per GPU, with the device names. Guarded and by hand run the same
+Prints per-rank generate throughput, the guarded/unguarded ratio (target >= 1.8x; ~1.9x
+measured on two H200s with a 7B-shaped model) and peak memory per GPU, with the device names. Guarded and by hand run the same
 configuration, so their ratio (target >= 0.97) is measured in ``--rounds`` alternating rounds
 (by hand first in even rounds, guarded first in odd ones): the median of the per-round ratios
 [min, max]; a single pair of torchrun processes differs by process-to-process noise alone. Exits 0 with a message when fewer
 than two GPUs are visible. ``--guard-by-hand`` makes the guarded workers call
 attnguard.multigpu.plan_from_environment themselves (before the loading wrapper is wired).
+``--smoke`` (CI): one guarded ``torchrun --nproc-per-node=2`` on the CPU (gloo) with a 2-layer
+model of width 64, and its report; the GPU comparisons are said to be skipped.
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ QWEN2_05B = {
 }
 
 
-def make_model(path: Path) -> None:
+SMOKE_SIZE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+SMOKE_SIZE |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}
+
+
+def make_model(path: Path, smoke: bool = False) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**QWEN2_05B)
+    config = Qwen2Config(**(QWEN2_05B | SMOKE_SIZE if smoke else QWEN2_05B))
     config.torch_dtype = torch.bfloat16
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -67,11 +73,17 @@ def worker(args: argparse.Namespace) -> None:
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     rank = int(os.environ.get("RANK", 0))
-    torch.cuda.set_device(local_rank)
-    torch.distributed.init_process_group("nccl")
-    n_gpus = torch.cuda.device_count()
+    cuda = not args.smoke
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    n_gpus = torch.cuda.device_count() if cuda else 0
     device_map: Any = {"": f"cuda:{local_rank}"} if args.per_rank_by_hand else "auto"
-    kwargs: dict[str, Any] = {"device_map": device_map, "dtype": torch.bfloat16}
+    import transformers
+
+    release = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    dtype_kw = "dtype" if release >= (4, 56) else "torch_dtype"  # dtype= from 4.56
+    kwargs: dict[str, Any] = {"device_map": device_map, dtype_kw: torch.bfloat16}
     if args.guard_by_hand:
         from attnguard.multigpu import plan_from_environment
 
@@ -82,8 +94,9 @@ def worker(args: argparse.Namespace) -> None:
                 kwargs["max_memory"] = decision.max_memory
     model = Qwen2ForCausalLM.from_pretrained(args.model, **kwargs).eval()
     g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(3, QWEN2_05B["vocab_size"], (args.batch, args.prompt), generator=g)
-    ids = ids.to(f"cuda:{local_rank}")
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (args.batch, args.prompt), generator=g)
+    ids = ids.to(f"cuda:{local_rank}" if cuda else "cpu")
     gen = {
         "max_new_tokens": args.new_tokens,
         "min_new_tokens": args.new_tokens,
@@ -93,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
 
     # only the GPUs this rank uses: touching another would create a CUDA context there
     used = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
-    used = sorted(set(used) | {local_rank})
+    used = sorted(set(used) | {local_rank}) if cuda else []
 
     def sync() -> None:
         for i in used:
@@ -149,6 +162,8 @@ def launch(
         cmd.append("--guard-by-hand")
     if per_rank_by_hand:
         cmd.append("--per-rank-by-hand")
+    if args.smoke:
+        cmd.append("--smoke")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         print(
@@ -159,6 +174,44 @@ def launch(
         path = out / f"rank{r}.json"
         ranks[r] = json.loads(path.read_text()) if path.exists() else None
     return ranks
+
+
+def report(runs: dict[str, dict], gpus: list[str]) -> None:
+    """One row per run and rank: guard, where the parameters are, throughput, peak memory."""
+    header = (
+        f"{'run':<10} {'rank':>4} {'guard':>5} {'param devices':<16} {'tok/s':>8}  "
+        + "  ".join(f"{'peak ' + g + ' GiB':>16}" for g in gpus)
+    )
+    print(header)
+    print("-" * len(header))
+    for label, ranks in runs.items():
+        for r, res in ranks.items():
+            if res is None:
+                print(f"{label:<10} {r:>4}   (no result)")
+                continue
+            peaks = "  ".join(f"{res['peak_gib'].get(g, 0.0):>16.2f}" for g in gpus)
+            print(
+                f"{label:<10} {r:>4} {str(res['attnguard_active']):>5} "
+                f"{','.join(res['param_devices']):<16} {res['tokens_per_s']:>8.1f}  {peaks}"
+            )
+
+
+def smoke(args: argparse.Namespace) -> int:
+    import _smoke
+
+    with tempfile.TemporaryDirectory(prefix="bench_multigpu_") as tmp:
+        base = Path(tmp)
+        model = base / "tiny"
+        make_model(model, smoke=True)
+        runs = {"guarded": launch("guarded", True, args, model, base)}
+    report(runs, [])
+    if any(res is None or not res["attnguard_active"] for res in runs["guarded"].values()):
+        print("bench_multigpu: the guarded launch did not report from both ranks, guarded")
+        return 1
+    _smoke.ran("a guarded torchrun x2 launch on the CPU (gloo) and its report")
+    for part in ("unguarded launch", "by-hand launches", "the throughput ratios"):
+        _smoke.skipped(part, "a comparison of GPU placements: needs 2 CUDA GPUs")
+    return _smoke.done()
 
 
 def main() -> int:
@@ -174,10 +227,15 @@ def main() -> int:
     parser.add_argument("--guard-by-hand", action="store_true")
     parser.add_argument("--per-rank-by-hand", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--smoke", action="store_true", help="CI: one guarded launch on the CPU")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.prompt, args.new_tokens, args.reps = 1, 8, 2, 1
     if args.worker:
         worker(args)
         return 0
+    if args.smoke:
+        return smoke(args)
 
     import torch
 
@@ -215,22 +273,7 @@ def main() -> int:
     )
     print("GPUs: " + ", ".join(f"cuda:{i} {name}" for i, name in enumerate(names)))
     gpus = [f"cuda:{i}" for i in range(n)]
-    header = (
-        f"{'run':<10} {'rank':>4} {'guard':>5} {'param devices':<16} {'tok/s':>8}  "
-        + "  ".join(f"{'peak ' + g + ' GiB':>16}" for g in gpus)
-    )
-    print(header)
-    print("-" * len(header))
-    for label, ranks in runs.items():
-        for r, res in ranks.items():
-            if res is None:
-                print(f"{label:<10} {r:>4}   (no result)")
-                continue
-            peaks = "  ".join(f"{res['peak_gib'].get(g, 0.0):>16.2f}" for g in gpus)
-            print(
-                f"{label:<10} {r:>4} {str(res['attnguard_active']):>5} "
-                f"{','.join(res['param_devices']):<16} {res['tokens_per_s']:>8.1f}  {peaks}"
-            )
+    report(runs, gpus)
     ratios = []
     by_hand_ratios: dict[int, list[float]] = {}
     for r in (0, 1):

@@ -9,10 +9,11 @@ Measured: the wall time of the whole process and of the ``from_pretrained`` call
 modules the guarded process imported that the unguarded one did not (by top-level package), and
 the lines each printed on stderr (console format, default level).
 
-    python bench/bench_quiet.py [--runs 15] [--broken-flash DIR]
+    python bench/bench_quiet.py [--runs 15] [--broken-flash DIR] [--smoke]
 
 ``--broken-flash`` (default: $TEST_BROKEN_FLASH_ATTN_DIR, as scripts/test.sh builds it) is put on
 the children's PYTHONPATH. attnguard must be installed (``pip install -e .``) for the hook.
+``--smoke`` (CI): one pair.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _smoke
 
 CHILD = r"""
 import json, sys, time
@@ -86,7 +89,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--broken-flash", default=os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR"))
+    ap.add_argument("--smoke", action="store_true", help="CI: one pair of runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.runs = 1
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny"
         make_checkpoint(path)
@@ -118,6 +124,11 @@ def main() -> int:
     print(f"flash_attn imported: {any(m.startswith('flash_attn') for m in guarded[0]['modules'])}")
     if max(lines):
         print("guarded stderr:", guarded[0]["stderr_lines"][:10])
+    if args.smoke:
+        _smoke.ran("one unguarded and one ATTNGUARD=1 load of a tiny Llama")
+        if not args.broken_flash:
+            _smoke.skipped("the broken flash-attn beside it", "no --broken-flash directory")
+        return _smoke.done()
     return 0
 
 

@@ -418,10 +418,10 @@ def flash_model(layers: int = 24) -> Any:
 def packed_row(lens: list[int]) -> dict[str, Any]:
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(len(lens))
+    g = torch.Generator(device=DEV).manual_seed(len(lens))
     total = sum(lens)
-    ids = torch.randint(3, 150000, (1, total), device="cuda", generator=g)
-    pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).unsqueeze(0)
+    ids = torch.randint(3, 150000, (1, total), device=DEV, generator=g)
+    pos = torch.cat([torch.arange(n, device=DEV) for n in lens]).unsqueeze(0)
     return {"input_ids": ids, "position_ids": pos, "labels": ids}
 
 
@@ -487,7 +487,7 @@ def part_generate(args: argparse.Namespace) -> list[str]:
             def run() -> Any:
                 use(which)
                 model(input_ids=step_ids, past_key_values=cache, use_cache=True)
-                cache.crop(2048)
+                cache.crop(-1)  # back to context 2048 (a negative count: every release)
 
             return run
 
@@ -651,7 +651,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dry-run", action="store_true", help="the GPU parts' code on CPU, tiny")
+    ap.add_argument("--smoke", action="store_true", help="CI: --dry-run, one short round")
     args = ap.parse_args()
+    if args.smoke:
+        args.dry_run, args.rounds, args.iters = True, 1, 1
     if args.dry_run:
         DEV, DRY = "cpu", True
         tiny_shapes()
@@ -705,6 +708,16 @@ def main() -> int:
         for line in lines:
             print(line, flush=True)
     print(json.dumps(results))
+    if args.smoke:
+        import _smoke
+
+        for p, lines in results.items():
+            if any(f"| {p} | error:" in line for line in lines):
+                return 1
+            _smoke.ran(f"{p} (--dry-run: the twins stand in for the real kernel, on the CPU)")
+        for p in sorted(set(GPU_PARTS) - set(DRY_PARTS)):
+            _smoke.skipped(p, "needs a CUDA GPU and the real flash-attn")
+        return _smoke.done()
     return 0
 
 

@@ -33,6 +33,15 @@ TINY_TEXT = dict(
 VL_IMAGE, VL_START, VL_END, VL_VIDEO = 122, 120, 121, 123
 
 
+def load_dtype(dtype: Any) -> dict[str, Any]:
+    """The load dtype as ``from_pretrained`` takes it: ``dtype=`` from transformers 4.56 (where
+    ``torch_dtype=`` is deprecated), ``torch_dtype=`` before (which knows no ``dtype=``)."""
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
 def tiny_qwen2_5_vl_config() -> Any:
     """A tiny random Qwen2.5-VL config (flat text kwargs work on transformers 4.49 to 5.x)."""
     from transformers import Qwen2_5_VLConfig

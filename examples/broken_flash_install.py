@@ -32,7 +32,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, computed_by, finish, without_attnguard  # noqa: E402
+from _shared import TINY_TEXT, computed_by, finish, load_dtype, without_attnguard  # noqa: E402
 from attnguard import events, facts  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
@@ -55,7 +55,7 @@ def main() -> None:
 
         def train_step() -> float:
             model = AutoModelForCausalLM.from_pretrained(
-                ckpt, attn_implementation="flash_attention_2", torch_dtype=torch.bfloat16
+                ckpt, attn_implementation="flash_attention_2", **load_dtype(torch.bfloat16)
             )
             ids = torch.tensor([[1, 5, 9, 12, 7, 3, 2]], device=next(model.parameters()).device)
             loss = model(input_ids=ids, labels=ids).loss

@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from _shared import (  # noqa: E402
     computed_by,
     finish,
+    load_dtype,
     show_plan,
     tiny_qwen2_5_vl_config,
     vl_prompt,
@@ -43,7 +44,7 @@ from attnguard import events, facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
-MODEL_INIT_KWARGS = {"attn_implementation": "flash_attention_2", "torch_dtype": torch.bfloat16}
+MODEL_INIT_KWARGS = {"attn_implementation": "flash_attention_2", **load_dtype(torch.bfloat16)}
 
 
 def main() -> None:

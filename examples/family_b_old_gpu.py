@@ -28,7 +28,14 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, computed_by, finish, show_plan, without_attnguard  # noqa: E402
+from _shared import (  # noqa: E402
+    TINY_TEXT,
+    computed_by,
+    finish,
+    load_dtype,
+    show_plan,
+    without_attnguard,
+)
 from attnguard import events, facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config  # noqa: E402
@@ -47,7 +54,7 @@ def main() -> None:
                 config=config,
                 device_map=None,  # plain DDP / ZeRO-2: the Trainer places the model
                 attn_implementation="flash_attention_2",
-                torch_dtype=torch.bfloat16,
+                **load_dtype(torch.bfloat16),
             )
 
         print("without attnguard:", without_attnguard(load))

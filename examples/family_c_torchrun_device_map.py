@@ -30,13 +30,20 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import computed_by, finish, show_plan, tiny_qwen2_5_vl_config, vl_prompt  # noqa: E402
+from _shared import (  # noqa: E402
+    computed_by,
+    finish,
+    load_dtype,
+    show_plan,
+    tiny_qwen2_5_vl_config,
+    vl_prompt,
+)
 from attnguard import events, facts  # noqa: E402
 from attnguard.multigpu import estimate_model_bytes  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
-KWARGS = dict(torch_dtype="auto", device_map="auto", attn_implementation="flash_attention_2")
+KWARGS = dict(**load_dtype("auto"), device_map="auto", attn_implementation="flash_attention_2")
 
 
 def torchrun_env(rank: int, nproc: int) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """Family C in miniature: each torchrun worker loads a tiny Qwen2.5-VL with device_map="auto".
 
-The launch pattern of VLMEvalKit (DESIGN.md §1, family C), unchanged by attnguard:
+The launch pattern of VLMEvalKit (family C), unchanged by attnguard:
 
     python scripts/torchrun_vl.py --make-model /tmp/tiny-vl            # once: a tiny random model
     torchrun --nproc-per-node=2 scripts/torchrun_vl.py --model /tmp/tiny-vl --out /tmp/res

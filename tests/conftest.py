@@ -95,7 +95,7 @@ FIXED = [
 # --- tiny real transformers models (load-time guard tests) ---------------------------------------
 
 TINY_FAMILIES = ("llama", "qwen2", "qwen2_5_vl")
-# Qwen2.5-VL special tokens of the tiny recipe (/tmp/notes/tf_internals.md §5)
+# Qwen2.5-VL special tokens of the tiny recipe (ids of its tiny vocabulary)
 VL_IMAGE, VL_START, VL_END, VL_VIDEO = 122, 120, 121, 123
 
 

@@ -1,4 +1,4 @@
-"""The ``attnguard`` command at its edges (issue 28): a closed pipe, ``--help``, the signals
+"""The ``attnguard`` command at its edges: a closed pipe, ``--help``, the signals
 ``attnguard run`` hands its command, and ``attnguard summary`` over files written beside a
 console-format stderr. Real processes and pipes throughout."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_closed_pipe_ends_the_command_as_it_ends_cat(
     command: list[str], args: list[str], tmp_path: Path
 ) -> None:
     """``attnguard summary --json FILE | head -1`` ended with a BrokenPipeError traceback and
-    exit 1 (issue 28, item 3): now it ends quietly by SIGPIPE, as cat does."""
+    exit 1: now it ends quietly by SIGPIPE, as cat does."""
     path, _ = event_file(tmp_path)
     args = [str(path) if a == "FILE" else a for a in args]
     cat = into_a_closed_pipe(["cat", str(path)])
@@ -83,7 +84,7 @@ def test_run_hands_its_command_the_signals_a_shell_would() -> None:
 
 
 def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
-    """``attnguard --help`` showed reStructuredText double backticks (issue 28, item 7)."""
+    """``attnguard --help`` showed reStructuredText double backticks."""
     with pytest.raises(SystemExit) as done:
         cli.main(["--help"])
     out = capsys.readouterr().out
@@ -94,7 +95,7 @@ def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_files_stay_json_for_the_summary_whatever_the_console_format(tmp_path: Path) -> None:
     """``ATTNGUARD_LOG=stderr,<file> ATTNGUARD_LOG_FORMAT=console``: console lines on stderr,
-    JSON lines in the file, which ``attnguard summary`` reads (issue 28, item 4)."""
+    JSON lines in the file, which ``attnguard summary`` reads."""
     path, res = event_file(
         tmp_path,
         ATTNGUARD_LOG=f"stderr,{tmp_path / 'ev-{rank}.jsonl'}",
@@ -115,3 +116,34 @@ def test_files_stay_json_for_the_summary_whatever_the_console_format(tmp_path: P
     )
     assert got.returncode == 0 and "malformed" not in got.stdout, got.stdout
     assert "backend_fallback" in got.stdout and "package_missing" in got.stdout
+
+
+@pytest.mark.parametrize(
+    ("switch", "hook_on", "guarded"),
+    [(None, False, True), ("1", True, True), ("0", False, False), ("yes", True, True)],
+)
+def test_doctor_says_whether_programs_here_are_guarded(
+    switch: str | None, hook_on: bool, guarded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``attnguard doctor --json`` said ``"enabled": true`` with ATTNGUARD unset, where no
+    program started here was guarded by the hook. It now says what holds: the start-up hook
+    installed and switched on or not, and whether a program importing attnguard is guarded."""
+    from attnguard import doctor
+
+    if switch is None:
+        monkeypatch.delenv("ATTNGUARD", raising=False)
+    else:
+        monkeypatch.setenv("ATTNGUARD", switch)
+    installed = (Path(sysconfig.get_paths()["purelib"]) / "attnguard.pth").is_file()
+    assert doctor.guard_state() == {
+        "startup_hook_installed": installed,
+        "startup_hook_on": hook_on and installed,
+        "active_when_imported": guarded,
+    }
+    line = doctor._guard_line(doctor.guard_state())
+    assert ("start-up hook on" in line) == (hook_on and installed)
+    assert line.endswith("a program that imports attnguard: guarded") == guarded
+    if switch is None:  # the whole report, once
+        data = json.loads(doctor.render(as_json=True))
+        assert data["guard"] == doctor.guard_state() and "enabled" not in data["settings"]
+        assert line in doctor.render(as_json=False).splitlines()

@@ -89,7 +89,7 @@ def test_invalid_value_names_variable_value_and_valid_values(
 
 
 def test_the_switch_error_lists_every_word_the_switch_accepts() -> None:
-    """``ATTNGUARD=yes`` switches the guard on: the error for ``ATTNGUARD=2`` says so (issue 28)."""
+    """``ATTNGUARD=yes`` switches the guard on: the error for ``ATTNGUARD=2`` says so."""
     with pytest.raises(ValueError) as err:
         load({"ATTNGUARD": "2"})
     listed = str(err.value).split("valid values: ")[1]
@@ -208,7 +208,7 @@ def test_log_placeholders_that_fit_a_file_name_stay_valid(tmp_path) -> None:
 
 def test_files_get_json_lines_whatever_the_console_format(tmp_path) -> None:
     """``ATTNGUARD_LOG_FORMAT=console`` with ``stderr,<file>`` wrote console lines into the file,
-    which ``attnguard summary`` then skipped as malformed (issue 28, item 4)."""
+    which ``attnguard summary`` then skipped as malformed."""
     path = str(tmp_path / "ev-{rank}.jsonl")
     s = load({"ATTNGUARD_LOG": f"stderr,{path}", "ATTNGUARD_LOG_FORMAT": "console"})
     assert s.format_for("stderr") == "console" and s.format_for(path) == "json"

@@ -1,4 +1,4 @@
-"""Counts that are the truth across processes (issue 22, item 6).
+"""Counts that are the truth across processes.
 
 Real guarded programs: a tiny Llama checkpoint requested with flash_attention_2 (one
 ``backend_fallback``: flash-attn cannot run here) and xformers' memory_efficient_attention

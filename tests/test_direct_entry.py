@@ -395,7 +395,7 @@ def test_var_attention_through_flash_attn(flash_standin):
     assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
 
 
-# --- flash-attn / xformers releases past the newest tested one (issue 26) ---------------------
+# --- flash-attn / xformers releases past the newest tested one ---------------------------------
 
 _NEWER_CHECK = (
     "import json, attnguard\n"

@@ -1,4 +1,4 @@
-"""Exit codes and signals are the program's own, guarded or not (issue 27, item 11).
+"""Exit codes and signals are the program's own, guarded or not.
 
 Python dies of SIGINT (130 in a shell, -2 here) when Ctrl-C ends the program unhandled; launchers
 and shells read that. CPython keeps that fact in a flag which any code run from a string clears
@@ -44,7 +44,7 @@ JOB = {
 }
 
 CASES = {
-    # the issue's case: one process that recorded an event, events on stderr
+    # the case once broken: one process that recorded an event, events on stderr
     "process-with-an-event": ({}, "event", False),
     # nothing happened, but a log file takes the INFO summary
     "process-logging-to-a-file": ({}, "none", True),

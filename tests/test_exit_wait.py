@@ -1,6 +1,6 @@
-"""Rank 0 waits at exit only for ranks that announced something to report (issue 22, item 5).
+"""Rank 0 waits at exit only for ranks that announced something to report.
 
-The issue's case under real ``torchrun --nproc-per-node=2`` (gloo, CPU): a tiny Llama with
+The case under real ``torchrun --nproc-per-node=2`` (gloo, CPU): a tiny Llama with
 sdpa (nothing for attnguard to do), a forward, then rank 1 destroys its process group and ends
 with ``os._exit(0)`` (no exit handler runs). Rank 0's wait for reports is set to an hour in the
 guarded run: if it waited for rank 1 at all, the job would outlive the test's timeout.

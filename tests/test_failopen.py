@@ -194,7 +194,7 @@ def test_the_hook_module_resolves_no_name_attnguard_did_not_wrap(
     name: str, switch: str, tmp_path: Path
 ) -> None:
     """A pickle naming ``_attnguard_hook`` / ``attnguard:os:system`` ran a shell command on
-    ``pickle.load`` in any process of an environment with attnguard installed (issue 27, item 5).
+    ``pickle.load`` in any process of an environment with attnguard installed.
     Only functions of the guarded libraries, under their own names, may resolve."""
     mark = tmp_path / "ran"
     command = f"touch {mark}" if "exec" not in name else f"open({str(mark)!r}, 'w')"

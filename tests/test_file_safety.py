@@ -1,5 +1,5 @@
 """Safe on a shared machine: another user can neither write into a job's summary nor make
-attnguard write into the victim's files (issue 22, items 1, 2 and 8; issue 20, item 5).
+attnguard write into the victim's files.
 
 Cross-user cases run the attacker's steps as a second local user, created for the test and
 removed after it (they need root, as CI has; elsewhere they are skipped and the same-user
@@ -222,8 +222,8 @@ def test_another_user_can_neither_forge_nor_take_a_jobs_summary(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
     """Another user plants a forged record and links to the victim's notes under every name
-    they can predict for the job's rendezvous (issue 22, item 1), and so took the job's summary
-    away (issue 27, item 12). The ranks of a job on one host meet in a directory only the
+    they can predict for the job's rendezvous, and so took the job's summary
+    away. The ranks of a job on one host meet in a directory only the
     victim can write to, under a name that needs their launcher as well: the summary is whole,
     nothing is forged, nothing of the victim's is touched."""
     notes = tmp_path / "notes.txt"
@@ -250,7 +250,7 @@ def test_another_user_can_neither_forge_nor_take_a_jobs_summary(
 def test_another_user_taking_the_temp_directory_name_costs_no_job_summary(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
-    """Issue 27, item 12: with no log file the ranks met in $TMPDIR/attnguard-<uid>; another
+    """With no log file the ranks met in $TMPDIR/attnguard-<uid>; another
     user who made that directory first left every rank with its own summary. The ranks now meet
     where only the victim can write (here the cache directory in their home: no
     $XDG_RUNTIME_DIR), and the summary of the whole job comes."""
@@ -324,7 +324,7 @@ def test_a_rendezvous_directory_others_can_write_is_not_used(tmp_path: Path) -> 
     ("record", "why"),
     [
         ({**FAKE_RECORD, "events": {"backend_fallback": "many"}}, "not a record of this rank"),
-        # issue 27, item 9: "²" is a digit to str.isdigit(), not to int()
+        # "²" is a digit to str.isdigit(), not to int()
         (
             {
                 "v": 3,
@@ -356,7 +356,7 @@ def test_a_malformed_rank_record_is_named_not_fatal(
     _assert_no_forged_counts(tmp_path)
 
 
-# --- two jobs alike in every variable (issue 27, item 1) -------------------------------------------
+# --- two jobs alike in every variable ------------------------------------------------------------
 
 # torchrun's agent, standing in: it starts the ranks and waits for them (reaping each as it ends)
 LAUNCHER = """
@@ -377,7 +377,7 @@ import os, time
 import attnguard
 from attnguard import events
 
-attnguard.is_active()  # under the start-up hook, using the API activates (issue 28)
+attnguard.is_active()  # under the start-up hook, using the API activates
 
 job, rank, flags = os.environ["JOB"], int(os.environ["RANK"]), os.environ["FLAGS"]
 for _ in range(int(os.environ["CHANGES"].split(",")[rank])):
@@ -524,7 +524,7 @@ def _went_around(res: subprocess.CompletedProcess[str], asked: Path, where: Path
 def test_another_users_link_in_a_shared_directory_is_not_followed(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
-    """Issue 22, item 2: the planted link is never followed. Issue 27, item 12: nor does it turn
+    """The planted link is never followed, nor does it turn
     the guard off any more; the events go to a fresh file beside it, named, that nobody could
     have planted (its name is random and it is created O_EXCL)."""
     notes = tmp_path / "notes.txt"
@@ -558,7 +558,7 @@ def test_another_users_file_is_not_appended_to(
 def test_another_users_directory_link_on_the_log_path_is_not_followed(
     other_user: tuple[int, int], shared_dir: Path, tmp_path: Path
 ) -> None:
-    """Issue 27, item 6: /tmp/agshared -> the victim's project, planted by another user. Only
+    """/tmp/agshared -> the victim's project, planted by another user. Only
     the last component's links were checked, so the victim's own ag-0.jsonl there grew. Every
     link on the way is checked now; the events go to a fresh file in the victim's private
     directory (the link's directory is the other user's to point anywhere)."""
@@ -588,7 +588,7 @@ def test_your_own_links_and_dev_stderr_still_work(tmp_path: Path) -> None:
     assert json.loads(res.stderr.splitlines()[0])["event"] == "activated"
 
 
-# --- item 8 and issue 20 item 5: values checked before anything runs ------------------------------
+# --- values checked before anything runs ----------------------------------------------------------
 
 
 # A command that uses attnguard: the start-up hook activates it (and opens the log) there.

@@ -34,16 +34,22 @@ from attnguard.selection.race import Measured
 # --- the setting ------------------------------------------------------------------------------
 
 
-def test_the_switch_is_off_by_default_and_validated(monkeypatch):
+def test_the_switch_is_off_by_default_and_validated(monkeypatch, capsys):
     assert attnguard.Settings().kernel == "requested"
     assert attnguard.activate(log="none", kernel="fastest").kernel == "fastest"
     monkeypatch.setenv("ATTNGUARD_KERNEL", "fastest ")
     assert attnguard.activate(log="none").kernel == "fastest"
-    monkeypatch.setenv("ATTNGUARD_KERNEL", "quickest")
     with pytest.raises(ValueError) as err:
-        attnguard.activate(log="none")
+        attnguard.activate(log="none", kernel="quickest")  # the caller's own argument
     text = str(err.value)
     assert "ATTNGUARD_KERNEL" in text and "'quickest'" in text and "requested | fastest" in text
+    # from the environment: one line, and the guard stays off
+    attnguard.deactivate()
+    capsys.readouterr()
+    monkeypatch.setenv("ATTNGUARD_KERNEL", "quickest")
+    assert not attnguard.activate(log="none").enabled and not attnguard.is_active()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "ATTNGUARD_KERNEL='quickest'" in line and "requested | fastest" in line
 
 
 # --- no GPU: nothing changes --------------------------------------------------------------------
@@ -613,13 +619,11 @@ def test_the_rules_of_the_race_budget():
 def test_the_cache_directory_setting_is_validated(monkeypatch, tmp_path):
     where = tmp_path / "decisions"
     assert attnguard.activate(log="none", kernel_cache=str(where)).kernel_cache == str(where)
-    monkeypatch.setenv("ATTNGUARD_KERNEL_CACHE", "relative/dir")
     with pytest.raises(ValueError) as err:
-        attnguard.activate(log="none")
+        attnguard.activate(log="none", kernel_cache="relative/dir")
     text = str(err.value)
     assert "ATTNGUARD_KERNEL_CACHE" in text and "'relative/dir'" in text
     assert "not an absolute path" in text and "an absolute path of a directory" in text
-    monkeypatch.delenv("ATTNGUARD_KERNEL_CACHE")
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
         attnguard.activate(log="none", kernel_cache=str(tmp_path / "file"))

@@ -417,7 +417,7 @@ def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
     assert any(e["site"] == "transformers.load.remedy" for e in only(captured, "internal_error"))
 
 
-# --- the caller's own load errors: propagate once, at once, never internal_error (issue 10, 4) ---
+# --- the caller's own load errors: propagate once, at once, never internal_error ---------------
 
 
 def _cast_plan(*_a: Any, **_k: Any) -> Plan:
@@ -498,7 +498,7 @@ def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
 def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
     tiny_checkpoint: Any, guard: Any, captured: list[dict[str, Any]], monkeypatch: Any
 ) -> None:
-    """Issue 22, 4: flash_attention_3 (attnguard keeps its flash path on the twins here) with a
+    """flash_attention_3 (attnguard keeps its flash path on the twins here) with a
     device string of the caller's that transformers rejects. The error is about their
     device_map, which attnguard did not change: it propagates at once, the model is built once,
     no internal_error, and nothing the caller passed shows up in an event."""

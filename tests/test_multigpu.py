@@ -34,7 +34,7 @@ DEVICE_MAPS: list[Any] = [*SPREADING_DEVICE_MAPS, "cuda", {"": 0}, None]
 
 # --- planner: one replica per rank ---------------------------------------------------------------
 
-# (world_size, n_gpus) -> the GPU of each local rank when the model fits one GPU (spec of issue 5)
+# (world_size, n_gpus) -> the GPU of each local rank when the model fits one GPU (the placement rule)
 FITS = {
     (2, 1): ["cuda:0", "cuda:0"],  # CUDA_VISIBLE_DEVICES per rank: each sees its GPU as cuda:0
     (2, 2): ["cuda:0", "cuda:1"],

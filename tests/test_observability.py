@@ -600,7 +600,7 @@ def test_an_internal_error_record_names_the_exception_type_for_otel(guard, logge
 
 def test_the_example_line_has_every_fixed_field_first_and_in_order() -> None:
     """The page says the fixed fields always come first, in its table's order; its example
-    JSON line lacked ``proc`` (issue 28, item 8)."""
+    JSON line lacked ``proc``."""
     text = DOC.read_text()
     block = text.split("An example line", 1)[1].split("```json\n", 1)[1].split("\n```", 1)[0]
     example = json.loads(block)

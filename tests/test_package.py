@@ -143,7 +143,7 @@ def test_pyproject_declares_the_supported_matrix() -> None:
         if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
     )
     assert declared == sorted(python.tested)  # the Python versions a test run used
-    # and no floor below them: a Python no test ran on is not declared supported (issue 28)
+    # and no floor below them: a Python no test ran on is not declared supported
     oldest = min(python.tested, key=lambda v: tuple(map(int, v.split("."))))
     assert project["requires-python"] == f">={oldest}"
     deps = dict(requirement(r) for r in project["dependencies"])

@@ -1,4 +1,4 @@
-"""Ranks set after start-up: a real local Ray cluster with two actors (issue 22, item 6).
+"""Ranks set after start-up: a real local Ray cluster with two actors.
 
 verl's launcher pattern: a guarded driver starts Ray; each actor is a worker process that
 starts as a helper of the driver (no rank yet), then sets RANK / WORLD_SIZE / LOCAL_RANK /

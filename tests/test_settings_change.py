@@ -1,4 +1,4 @@
-"""A settings change is atomic for running code (issue 22, item 3).
+"""A settings change is atomic for running code.
 
 ``configure(...)`` / ``activate(...)`` while other threads run forwards of a model loaded under
 the guard: patches read the settings at every call, so a change of log level or of mode (fix,

@@ -1,4 +1,4 @@
-"""Free to leave on (issue 28): with ``ATTNGUARD=1`` set for a whole environment, a Python that
+"""Free to leave on: with ``ATTNGUARD=1`` set for a whole environment, a Python that
 never imports transformers, flash_attn or xformers imports nothing of the guard's machinery;
 attnguard activates at the first import of one of them, before its code runs; settings are still
 checked at start-up. Fresh interpreters with the ``ATTNGUARD=1`` start-up hook throughout (cost
@@ -38,7 +38,7 @@ def modules_added(**env: str) -> set[str]:
 # The guard's own start-up modules, and the standard-library ones they need that a bare
 # interpreter has not imported yet (a log file adds the path checks and the placeholder parser).
 WATCHER = {"_attnguard_hook", "attnguard", "attnguard._bootstrap", "attnguard.config"}
-WATCHER |= {"attnguard.launch", "__future__"}
+WATCHER |= {"attnguard.launch", "attnguard.importhooks", "__future__"}
 LOG_FILE_CHECKS = {"attnguard.safefiles", "_string", "errno"}
 
 
@@ -69,16 +69,14 @@ def test_settings_and_the_switch_words_are_checked_at_start_up() -> None:
 def test_the_first_import_of_a_guarded_library_activates_before_its_code_runs() -> None:
     """``from flash_attn import flash_attn_func`` (the stand-in) binds the guarded function:
     activation happened at the import, before flash_attn's module ran to its end; after it the
-    watcher is gone from ``sys.meta_path``."""
+    hook no longer waits."""
     code = (
-        "import sys\n"
         "import attnguard._bootstrap as b\n"
-        "waiting = b._watcher in sys.meta_path\n"
+        "waiting = b._waiting\n"
         "from flash_attn import flash_attn_func\n"
         "from attnguard import runtime\n"
         "print(json := __import__('json').dumps([waiting, runtime.is_active(),\n"
-        "    hasattr(flash_attn_func, '__attnguard_original__'),\n"
-        "    any(type(f).__name__ == '_Watcher' for f in sys.meta_path)]))\n"
+        "    hasattr(flash_attn_func, '__attnguard_original__'), b._waiting]))\n"
     )
     res = subprocess.run(
         [PY, "-c", code],
@@ -102,20 +100,36 @@ def test_using_the_api_activates_a_waiting_hook() -> None:
 
 CHILD_FIRST = """
 import subprocess, sys
-# the parent starts a tool before it imports a library to guard: the tool is still its helper
-subprocess.run([sys.executable, "-c", "import transformers.modeling_utils"], check=True)
-import transformers.modeling_utils
+child = [sys.executable, "-c", "import transformers"]
+# a tool started before the parent imports a library to guard: a program of its own (nothing
+# tells it from the rank a Python wrapper starts: launcher -> python wrap.py -> python train.py)
+subprocess.run(child, check=True)
+import transformers
+# started once the parent is guarded: its helpers, also through a wrapper that never activates
+subprocess.run(child, check=True)
+subprocess.run([sys.executable, "-c", f"import subprocess; subprocess.run({child!r}, check=True)"],
+               check=True)
+print("parent", __import__("os").getpid())
 """
 
 
-def test_a_child_started_before_the_parent_activates_is_its_helper(tmp_path: Path) -> None:
+def test_children_are_helpers_of_a_parent_that_was_guarded_when_it_started_them(
+    tmp_path: Path,
+) -> None:
     log = tmp_path / "ev-{rank}.jsonl"
     res = python(CHILD_FIRST, ATTNGUARD="1", ATTNGUARD_LOG=str(log))
     assert res.returncode == 0, res.stderr
+    parent = int(res.stdout.split()[-1])
     recs = json_lines((tmp_path / "ev-0.jsonl").read_text())
-    # one activation and one summary, both from the parent; the helper had nothing to say
-    assert [r["event"] for r in recs] == ["activated", "summary"]
-    assert len({r["pid"] for r in recs}) == 1 and not any(r.get("helper") for r in recs)
+    # the first tool's activation and summary, then the parent's; the helpers had nothing to say
+    seen = [(r["event"], r["pid"] == parent) for r in recs]
+    assert seen == [
+        ("activated", False),
+        ("summary", False),
+        ("activated", True),
+        ("summary", True),
+    ]
+    assert not any(r.get("helper") for r in recs)
 
 
 CHILD_GETS_A_RANK = """
@@ -137,7 +151,7 @@ def test_a_child_that_gets_a_rank_of_its_own_is_a_rank_not_a_helper(tmp_path: Pa
 
 
 def test_a_misspelled_variable_is_named_once_and_the_guard_runs() -> None:
-    """``ATTNGUARD_MOOD=fix`` used to be ignored silently (issue 28, item 6)."""
+    """``ATTNGUARD_MOOD=fix`` used to be ignored silently."""
     code = (
         "import subprocess, sys, transformers.modeling_utils, attnguard\n"
         "subprocess.run([sys.executable, '-c', 'import attnguard'])  # a helper: its parent said it\n"
@@ -165,7 +179,7 @@ def test_a_huge_field_in_the_log_path_is_a_clear_error_under_a_memory_limit(
     spec: str, tmp_path: Path
 ) -> None:
     """``ATTNGUARD_LOG=/tmp/x{rank:>999999999d}`` allocated gigabytes at every start-up, and
-    under a memory limit said only ``MemoryError()`` (issue 27, item 13)."""
+    under a memory limit said only ``MemoryError()``."""
     value = str(tmp_path / f"x{{rank:{spec}}}")
     res = subprocess.run(
         [PY, "-c", "print('ran')"],

@@ -1,4 +1,4 @@
-"""``attnguard summary`` distrusts its input (issue 22, item 7).
+"""``attnguard summary`` distrusts its input.
 
 Malformed records are skipped and counted (never a traceback), special files are refused
 without blocking, memory stays bounded whatever a line holds, terminal output never fails on
@@ -49,7 +49,7 @@ def cli(*args: str, timeout: int = 60) -> subprocess.CompletedProcess[str]:
     )
 
 
-# --- the issue's records, one by one -----------------------------------------------------------
+# --- hostile records, one by one --------------------------------------------------------------
 
 BAD_LINES = [
     json.dumps({**GOOD, "site": ["a"]}),
@@ -98,7 +98,7 @@ def test_a_file_of_nothing_usable_fails(tmp_path: Path) -> None:
 
 
 def test_a_rank_key_of_other_digits_is_malformed_not_fatal(tmp_path: Path) -> None:
-    """Issue 27, item 9: "²" passes str.isdigit() and fails int(). The record is named and
+    """ "²" passes str.isdigit() and fails int(). The record is named and
     skipped like any malformed one; the good file beside it still counts."""
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     good.write_text(json.dumps(GOOD) + "\n")
@@ -124,7 +124,7 @@ class CountingSite(str):
 
 
 def test_merging_is_linear_in_the_entries() -> None:
-    """Issue 27, item 10: 100,000 entries (12 MB, within the cap) took 135 s. Every entry here
+    """100,000 entries (12 MB, within the cap) took 135 s. Every entry here
     has its own process, rank and site under one (event, reason): the merge may compare a site
     with others only on a hash collision, never with every site seen before (n * n / 2 = 2
     million comparisons at n = 2000). Time itself is measured in bench/bench_summary.py."""

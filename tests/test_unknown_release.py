@@ -1,4 +1,4 @@
-"""Never silently different numbers, on transformers releases that do not exist yet (issue 26).
+"""Never silently different numbers, on transformers releases that do not exist yet.
 
 Each case rewrites the installed transformers' flash module the way a future release might
 (tests/workers/release_sim.py: a version number no table names, a private helper renamed, a

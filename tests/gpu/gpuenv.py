@@ -71,7 +71,7 @@ def probe() -> tuple[Path | None, str]:
     if where is None:
         return None, (
             f"{ENV} is not set: the real flash-attn is needed (scripts/gpu_suite.sh unpacks "
-            f"the wheel of ../shared/wheels and sets {ENV})"
+            f"the flash-attn wheel and sets {ENV})"
         )
     if not (where / "flash_attn").is_dir():
         return None, f"{ENV}={where} holds no flash_attn/ package"

@@ -1,4 +1,4 @@
-"""transformers 4.49, 4.53 and 4.54 next to a broken flash-attn, on a GPU (issue 19; the GPU half
+"""transformers 4.49, 4.53 and 4.54 next to a broken flash-attn, on a GPU (the GPU half
 of tests/test_broken_flash.py).
 
 Those releases import flash-attn at module import wherever their metadata-only availability
@@ -9,7 +9,7 @@ request runs transformers' flash code path on attnguard's SDPA twins.
 Inputs (each test skips with the reason when one is missing):
 
 * ``$TEST_REAL_FLASH_ATTN_DIR``: the real flash-attn 2.8.3 (scripts/gpu_suite.sh unpacks
-  ../shared/wheels there; tests/gpu/gpuenv.py). It is the reference, and the broken build is made
+  its wheel there; tests/gpu/gpuenv.py). It is the reference, and the broken build is made
   from it: the same package and metadata, its ``flash_attn_2_cuda*.so`` replaced by a shared
   object with an undefined symbol (built with the machine's C compiler; without one, a file that
   is not an ELF object), so ``import flash_attn`` raises an ImportError as a build for another

@@ -2,7 +2,7 @@
 flash-attn 2.8.3 kernel.
 
 flash_attn is the real package with its CUDA extension, from $TEST_REAL_FLASH_ATTN_DIR (the
-unpacked wheel of ../shared/wheels; scripts/gpu_suite.sh sets it). It goes first on sys.path when
+unpacked wheel; scripts/gpu_suite.sh sets it). It goes first on sys.path when
 this module is imported, before transformers first asks whether flash-attn is available (it
 caches the answer): run this file in its own pytest process, as the suite does. Without the
 variable, or when ``import flash_attn_2_cuda`` fails there, the flash tests skip with the reason.

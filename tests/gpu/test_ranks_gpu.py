@@ -73,7 +73,7 @@ def test_verl_actor_trains_bit_for_bit_as_without_the_guard(
 
 def test_ddp_lands_on_each_ranks_gpu(tiny_checkpoint: Any, tmp_path: Path) -> None:
     """Each rank loads in bf16 with flash and no device_map and wraps in DDP without moving the
-    model (the seed-000 failure): guarded, the model was loaded onto cuda:LOCAL_RANK; the losses
+    model (family A): guarded, the model was loaded onto cuda:LOCAL_RANK; the losses
     equal the hand-fixed run (``model.to(local_rank)`` before DDP, what users wrote)."""
     plain, guarded, out = both("ddp", tiny_checkpoint, tmp_path, plain_args=("hand_fix",))
     for rank in (0, 1):

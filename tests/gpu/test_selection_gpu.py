@@ -5,7 +5,7 @@
   softcapped call is left to the real kernel (bit-identical) and the event says why;
 * one ``kernel_selected`` event per bucket, carrying every candidate's time and difference;
 * the disk cache: a second process makes the same decision without racing ("disk cache");
-* the race budget: a first process with an empty cache races every bucket of issue 30's shape
+* the race budget: a first process with an empty cache races every bucket of the shape
   sequence (4 x 4096 -> 1 x 16384 -> 1 x 32768, training and prefill), none ``not_raced``;
 * two ranks of a torchrun job (gloo, both on this GPU) end with the same winner;
 * ``torch.compile(fullgraph=True)`` of a function calling flash_attn_func with the switch on:
@@ -202,7 +202,7 @@ print("RESULT " + json.dumps([{k: e.get(k) for k in keep} for e in ev]))
 
 
 def test_a_first_process_races_every_bucket_of_a_job_whose_shapes_change(tmp_path):
-    """Issue 30: the shape sequence 4 x 4096 -> 1 x 16384 -> 1 x 32768 (training and prefill
+    """The shape sequence 4 x 4096 -> 1 x 16384 -> 1 x 32768 (training and prefill
     calls) in a fresh process with an empty cache. Every bucket is raced — none ``not_raced``:
     the first cuDNN call's cold start is a warm-up, outside the race budget — and each event
     says what its race cost."""

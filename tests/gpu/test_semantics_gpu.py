@@ -179,7 +179,7 @@ def test_both_runs_loaded_the_flash_path_in_bf16_on_the_gpu(runs: dict, family: 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_kernel_holds_packed_rows_apart(runs: dict, family: str) -> None:
-    """The reference's own semantics (DESIGN §2b): each packed sequence as if run alone."""
+    """The reference's own semantics (the real kernel's, measured): each packed sequence as if run alone."""
     checks = runs["compared"][family]
     kernel = {k: v for k, v in checks.items() if k.startswith("kernel_packed_vs_alone")}
     assert len(kernel) == 6 and _failing(kernel) == {}, _failing(kernel)

@@ -1,0 +1,207 @@
+"""Code that runs when a module is imported: before its own code (the start-up hook's deferred
+activation) and after it (each integration's patch), through one finder on ``sys.meta_path``.
+
+The rule this module exists for: **no import, no activation and no lock wait inside a finder's
+``find_spec``.** Python calls ``find_spec`` while it holds its global import lock (and the
+module's own lock). Anything done there that imports, or waits for another module's lock,
+deadlocks against a thread that is importing at the same moment: it holds that module's lock
+and needs the global one for its next import. (``importlib.util.find_spec`` of a submodule
+waits for the parent package's lock; wrapt's post-import hook finder calls it, and so did an
+activation run from ``find_spec``: a worker thread's ``import asyncio``, or a second thread's
+``import transformers.modeling_utils``, hung the program.)
+
+So :class:`ImportWatcher.find_spec` only reads two dicts and asks the finders behind it on
+``sys.meta_path`` for the spec, with the very ``path`` and ``target`` Python gave it; when a
+watched module is found, its loader is wrapped. The work runs in the wrapped loader, where
+Python holds only that module's lock (per module, with deadlock detection) and other threads
+import freely: the callbacks due before the module's code (:func:`call_before`) in
+``create_module``, before the module is in ``sys.modules``; the post-import hooks
+(:func:`register_post_import_hook`) in ``exec_module``, after the module's code. Module objects keep the real loader (``__loader__``,
+``__spec__.loader``).
+
+Standard library only (``sys`` and ``_thread``): the start-up hook imports it in every guarded
+process.
+"""
+
+from __future__ import annotations
+
+import sys
+from _thread import allocate_lock, get_ident
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from types import ModuleType
+    from typing import Any
+
+# Module name -> callbacks to run once, before that module's code runs (then dropped).
+_before: dict[str, list[Callable[[], None]]] = {}
+# Module name -> hooks to run once, after the module was imported (then dropped).
+_after: dict[str, list[Callable[[ModuleType], None]]] = {}
+# Modules whose code a wrapped loader is running now: a hook registered meanwhile waits for
+# the end of that run (the module is in sys.modules, but not yet whole).
+_executing: dict[str, int] = {}
+# (thread, module) pairs being looked up: a finder behind ours that re-enters the import
+# system for the same name finds the plain spec, not ours again.
+_finding: set[tuple[int, str]] = set()
+# Guards registration against a loader finishing the same module. Taken by registration and
+# by exec_module, never by find_spec, and nothing is called while it is held.
+_lock = allocate_lock()
+
+
+class ImportWatcher:
+    """The finder: first on ``sys.meta_path`` once anything is registered."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _before and fullname not in _after:
+            return None  # dict reads: no lock, nothing imported
+        key = (get_ident(), fullname)
+        if key in _finding:
+            return None
+        _finding.add(key)
+        try:
+            spec = _find_behind(self, fullname, path, target)
+        except Exception:
+            return None  # Python asks the finders itself: the same answer, or the same error
+        finally:
+            _finding.discard(key)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec  # nothing to wrap (a namespace package): imported as without us
+        if not isinstance(loader, _HookedLoader):
+            spec.loader = _HookedLoader(loader, fullname)
+        return spec
+
+
+def _find_behind(watcher: ImportWatcher, fullname: str, path: Any, target: Any) -> Any:
+    """The spec the finders other than ours give, asked in order as Python asks them."""
+    for finder in list(sys.meta_path):
+        if finder is watcher or isinstance(finder, ImportWatcher):
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        spec = find(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+class _HookedLoader:
+    """A module's own loader, with the callbacks before and the hooks after its code."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self.loader = loader
+        self.name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "loader":  # not set yet (a copy being made): no recursion
+            raise AttributeError(attr)
+        return getattr(self.loader, attr)  # get_code, is_package, get_resource_reader, ...
+
+    def create_module(self, spec: Any) -> Any:
+        # The callbacks due before the module's code run here, before the module is in
+        # sys.modules: a thread importing one of its submodules meanwhile waits for the whole
+        # package, as it would for a package that is slow to import, instead of running the
+        # submodule against a package whose code has not started yet.
+        with _lock:
+            before = _before.pop(self.name, ())
+        for callback in before:
+            try:
+                callback()
+            except Exception:
+                pass  # the module imports as without us (callbacks report their own errors)
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        _give_back_loader(module, self)
+        with _lock:
+            _executing[self.name] = _executing.get(self.name, 0) + 1
+        try:
+            self.loader.exec_module(module)
+        except BaseException:
+            with _lock:
+                _end_run(self.name)
+            raise  # the import fails as it would; hooks stay for a later import
+        with _lock:
+            _end_run(self.name)
+            hooks = _after.pop(self.name, ())
+        imported = sys.modules.get(self.name, module)  # what the importer gets (may replace itself)
+        for hook in hooks:
+            try:
+                hook(imported)
+            except Exception:
+                pass  # the import stands (hooks report their own errors)
+
+
+def _end_run(name: str) -> None:
+    left = _executing.get(name, 1) - 1
+    if left:
+        _executing[name] = left
+    else:
+        _executing.pop(name, None)
+
+
+def _give_back_loader(module: ModuleType, hooked: _HookedLoader) -> None:
+    """The module and its spec name the real loader (what reloads, resources and inspection
+    expect)."""
+    if getattr(module, "__loader__", None) is hooked:
+        try:
+            module.__loader__ = hooked.loader
+        except (AttributeError, TypeError):
+            pass
+    spec = getattr(module, "__spec__", None)
+    if spec is not None and getattr(spec, "loader", None) is hooked:
+        try:
+            spec.loader = hooked.loader
+        except (AttributeError, TypeError):
+            pass
+
+
+_watcher: ImportWatcher | None = None
+
+
+def _install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once; again if something removed it). Called
+    with ``_lock`` held."""
+    global _watcher
+    if _watcher is None:
+        _watcher = ImportWatcher()
+    if _watcher not in sys.meta_path:
+        sys.meta_path.insert(0, _watcher)
+
+
+def call_before(names: Iterable[str], callback: Callable[[], None]) -> None:
+    """Run ``callback`` when one of ``names`` is imported, before that module's code runs (once
+    per name; :func:`cancel_before` drops it from every name)."""
+    with _lock:
+        _install()
+        for name in names:
+            _before.setdefault(name, []).append(callback)
+
+
+def cancel_before(callback: Callable[[], None]) -> None:
+    with _lock:
+        for name in list(_before):
+            left = [c for c in _before[name] if c is not callback]
+            if left:
+                _before[name] = left
+            else:
+                del _before[name]
+
+
+def register_post_import_hook(hook: Callable[[ModuleType], None], name: str) -> None:
+    """Run ``hook(module)`` once module ``name`` is imported: now when it already is, else at
+    the end of its import (also when that import has begun but its code is still running).
+
+    A module another thread began importing before this finder was there cannot be followed:
+    its hook runs now, on what exists of it (as wrapt's post-import hooks do).
+    """
+    with _lock:
+        module = sys.modules.get(name)
+        if module is None or name in _executing:
+            _install()
+            _after.setdefault(name, []).append(hook)
+            return
+    hook(module)  # outside the lock: a hook imports
