@@ -43,6 +43,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _smoke  # noqa: E402
 
 from attnguard import gather, jobstore, summary  # noqa: E402
 from attnguard.eventfiles import clean_keys  # noqa: E402
@@ -303,6 +306,8 @@ def main() -> None:
         print(f"\nstore keys: {json.dumps(res['keys'])}\n")
         if not (res["complete"] and res["exact"]):
             raise SystemExit("the job summary is not complete and exact")
+        if args.smoke:
+            _smoke.ran(f"{nodes} x {per_node} real ranks (torchrun agents, gloo)")
     if args.sim != "none":
         print(
             "| ranks | complete | exact | counted as of group end (gone) | rank 0 waited (s) "
@@ -318,6 +323,10 @@ def main() -> None:
             )
             if not (res["complete"] and res["exact"]):
                 raise SystemExit(f"{world} ranks: the job summary is not complete and exact")
+            if args.smoke:
+                _smoke.ran(f"the store protocol simulated, {world} ranks, {gone_every} gone")
+    if args.smoke:
+        raise SystemExit(_smoke.done())
 
 
 if __name__ == "__main__":
