@@ -300,9 +300,10 @@ def test_torchrun_console_ranks_and_one_job_summary_without_a_process_group(
     assert {r["rank"] for r in console} == {0}  # rank 1's lines stay off the console
     assert [r["event"] for r in console] == ["backend_fallback", "summary"]
     job = console[-1]
+    # torchrun's own store carries the ranks' records where the script made no process group
     assert (job["site"], job["gathered_by"], job["ranks"], job["missing_ranks"]) == (
         "job",
-        "files",
+        "launcher_store",
         [0, 1],
         [],
     )
