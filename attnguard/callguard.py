@@ -72,6 +72,11 @@ _BOOL = torch.bool
 # and goes straight to the twin: a failing kernel is not retried on every call.
 latched: dict[Hashable, str] = {}
 
+# flash registry key -> the keyword arguments its flash path computes while attnguard's twins
+# serve it (set by the integration that hands the twins over): a call with another argument that
+# can carry numbers takes the slow path, where it is never dropped silently.
+TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
+
 _REMEDY_TEXT = {
     "unify": "cast q/k/v (and mask/bias) to one dtype",
     "align": "move q/k/v and the mask to the query's device",
@@ -383,6 +388,33 @@ def _stepped_aside(entry: Entry, args: tuple[Any, ...]) -> None:
         report_internal_error(f"transformers.{entry.name}", exc)
 
 
+def _uncomputed_argument_error(
+    entry: Entry, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> BaseException | None:
+    """A flash registry call on the twins that passes an argument the twins would not compute
+    (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
+    error the call meets without attnguard (to raise), after one event naming the argument;
+    None when every argument is computed."""
+    from .patches import transformers_kernels
+
+    names = transformers_kernels.uncomputed(kwargs)
+    if not names or len(args) < 4:
+        return None
+    error = transformers_kernels.unguarded_error(entry.name, args[1], args[2], args[3])
+    _note(
+        "observed",
+        site,
+        "flash_argument_uncomputed",
+        f"{entry.name} call passes {', '.join(names)}, which attnguard's twins of the "
+        "flash-attn kernels do not compute (transformers' flash path hands a kernel only the "
+        "arguments its signature declares and drops the rest); left as is: the call fails as "
+        f"it does without attnguard ({type(error).__name__})",
+        requested=entry.name,
+        arguments=names,
+    )
+    return error
+
+
 def _faster_kernel(
     entry: Entry, settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -451,6 +483,7 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     entry = _registry_entry(name, original)
     lat = latched
     bf16, fp16, flash = _BF16, _FP16, entry.kind == REGISTRY_FLASH
+    twin_arguments = TWIN_ARGUMENTS
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if len(args) < 4:
@@ -466,6 +499,13 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
         if lat and (name, type(args[0])) in lat:
             return True
         if flash:
+            known = twin_arguments.get(name) if twin_arguments else None
+            if (
+                known is not None
+                and not known.issuperset(kwargs)
+                and _carries_numbers(kwargs, known)
+            ):
+                return True
             return (
                 mask is not None
                 and (mask.get_device() != dev or mask.dim() == 4)
@@ -480,6 +520,14 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
 
     del bf16, fp16
     return _closure(entry, check)
+
+
+def _carries_numbers(kwargs: dict[str, Any], known: frozenset[str]) -> bool:
+    """An argument outside ``known`` that can carry numbers (not None, not a bool flag)."""
+    return any(
+        k not in known and v is not None and v is not True and v is not False
+        for k, v in kwargs.items()
+    )
 
 
 def wrap_direct(entry: Entry) -> Callable[..., Any]:
@@ -528,6 +576,11 @@ def _xformers_bias_off(
 def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
     c = _Call(entry, args, kwargs)
     site = entry.site_of(c)
+    if entry.kind == REGISTRY_FLASH and TWIN_ARGUMENTS.get(entry.name) is not None:
+        error = _uncomputed_argument_error(entry, site, args, kwargs)
+        if error is not None:
+            call_fn.raised = error  # the call's own error without attnguard: fail_open lets it go
+            raise error
     names = entry.tensors
     query = c.get(names[0])
     dev = query.device

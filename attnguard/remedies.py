@@ -233,7 +233,24 @@ def _support_fields(cls: type, attn: Any) -> dict[str, Any]:
         why = transformers_kernels.unrecognised()
         fields["flash_path_unrecognised"] = why
         fields["flash_path_on_twins"] = not why and transformers_kernels.covers(cls)
+        fields.update(_routing_fields(cls, attn) if not why else {})
     return fields
+
+
+def _routing_fields(cls: type, attn: Any) -> dict[str, Any]:
+    """Where transformers would send this model's flash request instead, and what its attention
+    passes that the twins do not compute (:mod:`.patches.transformers_routing`)."""
+    from .patches import transformers_kernels, transformers_routing
+
+    values = attn.values() if isinstance(attn, Mapping) else [attn]
+    routed = next(
+        (r for v in values if is_flash(v) and (r := transformers_routing.routed_to(cls, v))), None
+    )
+    if routed is None:
+        return {}
+    computed = transformers_kernels.computed_arguments()
+    missed = transformers_routing.uncomputed_keywords(cls, computed)
+    return {"flash_routed_to": routed, "flash_uncomputed": tuple(missed)}
 
 
 def _flash_kernel_unusable(attn: Any) -> bool:
@@ -821,6 +838,7 @@ def guarded_check_and_adjust(
         _call_with(wrapped, args, kwargs, "eager")
         from .patches import transformers_kernels
 
+        transformers_kernels.bind_flash_globals(type(instance))
         transformers_kernels.preload(new)
         return new
     if new is requested:
@@ -875,6 +893,9 @@ def guarded_autoset(
         building = _models_being_built()  # the classmethod is called from the model's __init__
         if building and isinstance(building[0], cls):
             _remember_twins(building[0], SITE_INIT)
+        from .patches import transformers_kernels
+
+        transformers_kernels.bind_flash_globals(cls)
         # transformers' own flash check (``_check_and_enable_flash_attn_2``) runs inside and,
         # seeing the scope, lets flash's code path stand for the SDPA twins
         with _scoped(Scope(SITE_INIT, getattr(cls, "__name__", "?"), True, True)):
