@@ -76,6 +76,9 @@ latched: dict[Hashable, str] = {}
 # serve it (set by the integration that hands the twins over): a call with another argument that
 # can carry numbers takes the slow path, where it is never dropped silently.
 TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
+# attention module type -> keyword names its flash calls pass that were found to carry nothing
+# the twins drop (threaded-through kwargs): its later calls stay on the fast path
+TWIN_PASSTHROUGH: dict[type, frozenset[str]] = {}
 
 _REMEDY_TEXT = {
     "unify": "cast q/k/v (and mask/bias) to one dtype",
@@ -397,8 +400,11 @@ def _uncomputed_argument_error(
     None when every argument is computed."""
     from .patches import transformers_kernels
 
-    names = transformers_kernels.uncomputed(kwargs)
+    caller = type(args[0]) if args else None
+    names = transformers_kernels.uncomputed(kwargs, caller)
     if not names or len(args) < 4:
+        if caller is not None and not events.is_compiling():
+            TWIN_PASSTHROUGH[caller] = TWIN_PASSTHROUGH.get(caller, frozenset()) | set(kwargs)
         return None
     error = transformers_kernels.unguarded_error(entry.name, args[1], args[2], args[3])
     _note(
@@ -483,7 +489,7 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     entry = _registry_entry(name, original)
     lat = latched
     bf16, fp16, flash = _BF16, _FP16, entry.kind == REGISTRY_FLASH
-    twin_arguments = TWIN_ARGUMENTS
+    twin_arguments, passthrough = TWIN_ARGUMENTS, TWIN_PASSTHROUGH
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if len(args) < 4:
@@ -500,12 +506,12 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
             return True
         if flash:
             known = twin_arguments.get(name) if twin_arguments else None
-            if (
-                known is not None
-                and not known.issuperset(kwargs)
-                and _carries_numbers(kwargs, known)
-            ):
-                return True
+            if known is not None and not known.issuperset(kwargs):
+                passed = passthrough.get(type(args[0]))
+                if (passed is None or not passed.issuperset(kwargs)) and _carries_numbers(
+                    kwargs, known
+                ):
+                    return True
             return (
                 mask is not None
                 and (mask.get_device() != dev or mask.dim() == 4)

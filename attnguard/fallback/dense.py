@@ -32,7 +32,7 @@ def flash_core(
     lens: tuple[Tensor, Tensor] | None = None,
     deterministic: bool = False,
     sinks: Tensor | None = None,
-    lse_grad: bool = False,
+    sinks_lse: bool = False,
     flash_allowed: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window.
@@ -42,8 +42,9 @@ def flash_core(
     and the output rows past len_q[b] are meaningless. ``deterministic``: flash-attn's promise
     of a bitwise-reproducible backward pass (:mod:`attnguard.fallback.kernels` says how).
     ``sinks``: attention sinks, one logit per query head (:mod:`.attention_sinks`), computed
-    from the lse, which then carries its gradient where one is needed (``lse_grad``; torch's
-    flash kernel, whose lse carries none, is then not used: ``flash_allowed``).
+    from the lse (``sinks_lse``: kept in the compute dtype, with its gradient where a backward
+    needs one; torch's flash kernel, whose lse carries none, is then not used:
+    ``flash_allowed``).
     """
     if sinks is not None:
         attention_sinks.check(sinks, q.shape[2])
@@ -60,7 +61,7 @@ def flash_core(
             need_lse=True,
             lens=lens,
             deterministic=deterministic,
-            lse_grad=grad,
+            sinks_lse=True,
             flash_allowed=not grad,
         )
         assert lse is not None
@@ -155,7 +156,7 @@ def flash_core(
         dropout_p=dropout_p,
         need_lse=need_lse,
         explicit=explicit,
-        lse_grad=lse_grad,
+        sinks_lse=sinks_lse,
     )
     return out.transpose(1, 2).contiguous(), lse
 

@@ -219,14 +219,22 @@ def computed_arguments() -> frozenset[str]:
         return _state.computed
 
 
-def uncomputed(kwargs: dict[str, Any]) -> list[str]:
+def uncomputed(kwargs: dict[str, Any], caller: type | None = None) -> list[str]:
     """The arguments of this flash registry call that the flash path on the twins would drop:
     not among :func:`computed_arguments`, with a value that can carry numbers (not None, not a
-    bool flag)."""
+    bool flag), and named by the calling attention class's own code where it is readable (an
+    argument its model's forward only threads through ``**kwargs``, such as a vision tower's
+    ``grid_thw``, is dropped by every attention implementation alike)."""
+    from . import transformers_routing
+
     known = computed_arguments()
-    return sorted(
+    found = [
         k for k, v in kwargs.items() if k not in known and v is not None and not isinstance(v, bool)
-    )
+    ]
+    named = transformers_routing.attention_keywords(caller) if caller is not None else None
+    if named:  # empty: the module's source is not readable, or it names nothing: keep all
+        found = [k for k in found if k in named]
+    return sorted(found)
 
 
 _KERNEL_MODULES = {

@@ -89,6 +89,7 @@ class Profile:
     ffn: int = 64
     layers: int = 2
     vocab: int = 256
+    mrope: bool = False
 
     @property
     def width(self) -> int:
@@ -99,8 +100,11 @@ PROFILES = (
     Profile("tiny"),
     Profile("wide", heads=4, kv_heads=2, head_dim=16, ffn=128),
     Profile("head128", heads=2, kv_heads=1, head_dim=128, ffn=128),
+    Profile("mrope", mrope=True),  # rope sections its code defaults for a larger head_dim
 )
 WINDOW = 4  # a sliding window shorter than every test batch: it bites
+VOCAB_CAP = 256  # token ids drawn below this (and below the model's vocabulary)
+LENGTH = 12
 
 
 def _sizes(p: Profile) -> dict[str, int]:
@@ -140,6 +144,9 @@ def _sizes(p: Profile) -> dict[str, int]:
         num_mel_bins=16,
         n_group=1,
         topk_group=1,
+        num_expert_group=1,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
         num_nextn_predict_layers=0,
         first_k_dense_replace=1,
         max_window_layers=p.layers,
@@ -221,8 +228,25 @@ _HALF_FFNS = (
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _VOCABS = ("vocab_size",)
 # fields whose None the model cannot take (a default config not meant to be built as it is)
-_FILL_NONE = ("head_dim", "vocab_size", "num_key_value_heads", "intermediate_size")
-_CAPPED = {"num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "num_experts_per_token": 2}
+_FILL_NONE = (
+    "head_dim",
+    "vocab_size",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_experts_per_tok",
+    "n_routed_experts",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+)
+_CAPPED = {
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_top_k": 2,
+}
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
@@ -238,6 +262,8 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
     """Shrunk copy of a config dict (sub-config dicts shrunk too)."""
     sizes = _sizes(p)
     depth = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), None)
+    width = next((d[k] for k in _WIDTHS if _int(d.get(k))), None)
+    ffn = next((d[k] for k in _FFNS if _int(d.get(k))), None)
     out: dict[str, Any] = {}
     for key, value in d.items():
         if _is_config_dict(key, value):
@@ -248,8 +274,15 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = sizes[key]
         elif key in _CAPPED and _int(value):
             out[key] = min(value, _CAPPED[key])
+        elif _int(value) and width and width >= 64 and value == width:
+            out[key] = p.width  # another name for the width (groups, codebook dims, ...)
+        elif _int(value) and ffn and ffn >= 128 and value == ffn:
+            out[key] = p.ffn
         elif isinstance(value, list) and depth and len(value) == depth and depth > p.layers:
             out[key] = _pattern(value, p.layers)  # one entry per layer
+        elif _layer_indices(key, value, depth):
+            kept = [v for v in value if v < p.layers]
+            out[key] = kept or [p.layers - 1]
         elif isinstance(value, list) and value and all(_int(v) for v in value):
             base = next((s for s in sizes if key.startswith(s)), None)
             out[key] = [min(v, sizes[base]) for v in value] if base else value
@@ -257,6 +290,14 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = value
     _agree(d, out, p)
     return out
+
+
+def _layer_indices(key: str, value: Any, depth: int | None) -> bool:
+    """A list of layer numbers (which layers are attention, full, global, ...)."""
+    if not (isinstance(value, list) and value and all(_int(v) for v in value) and depth):
+        return False
+    named = any(w in key for w in ("indices", "indexes", "idxs", "_ids", "layers"))
+    return named and "layer" in key or (named and max(value) < depth and "block" in key)
 
 
 def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
@@ -325,11 +366,39 @@ def tiny_config(cls: type, profile: Profile) -> Any:
     d = _shrink(config_class().to_dict(), profile)
     for key in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(key, None)
+    if profile.mrope or _uses_mrope(cls):
+        _add_mrope(d, profile)
     return config_class.from_dict(d)
 
 
-def build(entry: Entry, seed: int = 0) -> tuple[Any, Any]:
-    """The smallest profile whose model builds and runs the plain batch on eager."""
+def _uses_mrope(cls: type) -> bool:
+    """The model's code reads multimodal rope sections (with a default sized for its own
+    head_dim when the config has none)."""
+    module = inspect.getmodule(cls)
+    try:
+        return module is not None and "mrope_section" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
+def _add_mrope(d: dict[str, Any], p: Profile) -> None:
+    """Rope sections that fit the shrunk head_dim, in every (sub-)config with rope parameters."""
+    for key, value in d.items():
+        if _is_config_dict(key, value):
+            _add_mrope(value, p)
+    rope = d.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope or "mrope_section" in rope:
+        return
+    heads = next((d[k] for k in _HEADS if _int(d.get(k))), p.heads)
+    width = next((d[k] for k in _WIDTHS if _int(d.get(k))), p.width)
+    head_dim = d.get("head_dim") if _int(d.get("head_dim")) else width // heads
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0
+    rope["mrope_section"] = _sections([2, 3, 3], int(head_dim * partial) // 2)
+
+
+def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """The smallest profile whose model builds and runs a plain batch on eager: the model and
+    that batch."""
     cls = entry.cls
     errors = []
     for profile in PROFILES:
@@ -338,12 +407,18 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, Any]:
             torch.manual_seed(seed)
             model = cls._from_config(config, attn_implementation="eager", torch_dtype=torch.float32)
             model.eval()
-            with torch.no_grad():
-                model(**plain_inputs(model, entry))
-            return model, config
         except Exception as exc:
             errors.append(f"{profile.name}: {type(exc).__name__}: {str(exc)[:200]}")
-    raise NotBuilt(" | ".join(errors))
+            continue
+        failed = None
+        for inputs in input_candidates(model):
+            try:
+                run(model, inputs)
+                return model, inputs
+            except Exception as exc:
+                failed = failed or exc
+        errors.append(f"{profile.name}: {type(failed).__name__}: {str(failed)[:200]}")
+    raise NotBuilt(" | ".join(dict.fromkeys(errors)))
 
 
 class NotBuilt(Exception):
@@ -369,31 +444,121 @@ def _find(cfg: Any, name: str) -> Any:
     return None
 
 
-def plain_inputs(model: Any, entry: Entry, batch: int = 2, length: int = 12) -> dict[str, Any]:
+def _first_int(value: Any, default: int) -> int:
+    if isinstance(value, dict):
+        value = value.get("height", value.get("shortest_edge", default))
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else default
+    return value if _int(value) and value > 0 else default
+
+
+def _image(cfg: Any, g: Any, batch: int) -> Any:
+    size = _first_int(_find(cfg, "image_size"), 32)
+    channels = _first_int(_find(cfg, "num_channels"), 3)
+    return torch.randn(batch, channels, size, size, generator=g)
+
+
+def _patches(cfg: Any, g: Any) -> list[Any]:
+    """A Qwen-VL-style vision tower's input: the 16 patches of one 4x4 grid, flattened (one or
+    two frames per patch) or as small images."""
+    patch = _first_int(_find(cfg, "patch_size"), 14)
+    temporal = _first_int(_find(cfg, "temporal_patch_size"), 1)
+    channels = _first_int(_find(cfg, "in_channels") or _find(cfg, "num_channels"), 3)
+    flat = [torch.randn(16, channels * t * patch * patch, generator=g) for t in {temporal, 2, 1}]
+    return [*flat, torch.randn(16, channels, patch, patch, generator=g)]
+
+
+_MODALITIES = (
+    "pixel_values",
+    "pixel_values_videos",
+    "input_features",
+    "audio_mel",
+    "input_values",
+    "past_values",
+    "hidden_states",
+)
+
+
+def _variants(name: str, cfg: Any, g: Any, batch: int) -> list[Any]:
+    """The shapes a modality input may take, most common first."""
+    if name in ("pixel_values", "pixel_values_videos"):
+        frames = _first_int(_find(cfg, "num_frames"), 2)
+        video = _image(cfg, g, batch * frames)
+        video = video.view(batch, frames, *video.shape[1:])
+        still = [_image(cfg, g, batch), video] if name == "pixel_values" else [video]
+        return [*still, *_patches(cfg, g)]
+    if name in ("input_features", "audio_mel"):
+        mels = _first_int(_find(cfg, "num_mel_bins") or _find(cfg, "feature_size"), 16)
+        out = []
+        for frames in (2 * _first_int(_find(cfg, "max_source_positions"), 16), 200):
+            out.append(torch.randn(batch, mels, frames, generator=g))
+            out.append(torch.randn(batch, frames, mels, generator=g))
+        return out
+    if name == "input_values":
+        return [torch.randn(batch, 3840, generator=g), torch.randn(batch, 1, 3840, generator=g)]
+    if name == "past_values":
+        length = _first_int(_find(cfg, "context_length"), 64)
+        channels = _first_int(_find(cfg, "num_input_channels"), 1)
+        return [torch.randn(batch, length, channels, generator=g), torch.randn(batch, length)]
+    if name == "hidden_states":
+        return _patches(cfg, g)
+    return []
+
+
+def _companions(params: dict[str, Any], cfg: Any, source: Any) -> dict[str, Any]:
+    """What a modality input needs next to it: its grid, merge sizes, feature masks."""
+    out: dict[str, Any] = {}
+    if source is not None and source.shape[0] == 16 and source.dim() in (2, 4):  # patches
+        for name in ("grid_thw", "image_grid_thw"):
+            if name in params:
+                out[name] = torch.tensor([[1, 4, 4]])
+        if "merge_sizes" in params:
+            out["merge_sizes"] = torch.tensor([_first_int(_find(cfg, "spatial_merge_size"), 1)])
+    for name in ("input_features_mask", "audio_mel_mask"):
+        if name in params and source is not None and source.dim() == 3:
+            out[name] = torch.ones(source.shape[0], source.shape[-1], dtype=torch.bool)
+    return out
+
+
+def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[dict[str, Any]]:
+    """Input batches this model may take, most likely first (the first one eager runs is used):
+    text; then each modality input it declares (images, video, audio features either way round,
+    waveforms, series, a vision tower's patches), with text where it takes both."""
     params = _forward_params(model)
+    required = {n for n, p in params.items() if p.default is p.empty and p.kind != p.VAR_KEYWORD}
+    required.discard("self")
     g = torch.Generator().manual_seed(1)
     cfg = model.config
-    inputs: dict[str, Any] = {}
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+    vocab = min(getattr(text, "vocab_size", None) or VOCAB_CAP, VOCAB_CAP)
+    words: dict[str, Any] = {}
     if "input_ids" in params:
-        text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        vocab = getattr(text, "vocab_size", None) or 256
-        inputs["input_ids"] = torch.randint(3, min(vocab, 256), (batch, length), generator=g)
-    elif "pixel_values" in params:
-        size = _find(cfg, "image_size") or 32
-        size = size[0] if isinstance(size, (list, tuple)) else size
-        if isinstance(size, dict):
-            size = size.get("height", 32)
-        channels = _find(cfg, "num_channels") or 3
-        inputs["pixel_values"] = torch.randn(batch, channels, size, size, generator=g)
-    elif "input_features" in params:
-        mels = _find(cfg, "num_mel_bins") or 16
-        frames = 2 * (_find(cfg, "max_source_positions") or 16)
-        inputs["input_features"] = torch.randn(batch, mels, frames, generator=g)
-    elif "input_values" in params:
-        inputs["input_values"] = torch.randn(batch, 4000, generator=g)
+        words["input_ids"] = torch.randint(3, vocab, (batch, length), generator=g)
+    if "qformer_input_ids" in params:
+        words["qformer_input_ids"] = torch.randint(3, vocab, (batch, length), generator=g)
     if "decoder_input_ids" in params:
-        inputs["decoder_input_ids"] = torch.randint(3, 256, (batch, length - 4), generator=g)
-    return inputs
+        words["decoder_input_ids"] = torch.randint(3, vocab, (batch, length - 4), generator=g)
+    codebooks = getattr(text, "num_codebooks", None)
+    if "input_ids" in words and _int(codebooks) and codebooks > 1:  # one row per codebook
+        words["input_ids"] = torch.randint(3, vocab, (batch * codebooks, length), generator=g)
+    out: list[dict[str, Any]] = []
+    if words and not (required - set(words)):
+        out.append(dict(words))
+    needed = [n for n in _MODALITIES if n in required]
+    if len(needed) > 1:  # several inputs it cannot run without: one of each
+        together: dict[str, Any] = dict(words)
+        for name in needed:
+            value = _variants(name, cfg, g, batch)[0]
+            together.update({name: value, **_companions(params, cfg, value)})
+        out.append(together)
+    for name in _MODALITIES:
+        if name not in params or (name == "hidden_states" and "input_ids" in params):
+            continue
+        for value in _variants(name, cfg, g, batch):
+            alone = {name: value, **_companions(params, cfg, value)}
+            with_words = {**words, **alone}
+            out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+    return [c for c in out if required <= set(c)] or out
 
 
 # ---- special parameters: drawn so they matter ----------------------------------------------------
@@ -414,15 +579,13 @@ def randomise_special(model: Any, seed: int = 3) -> list[str]:
 
 # ---- batches ----------------------------------------------------------------------------------
 
-LENGTH = 12
 PAD = 4  # left padding of the first row of the padded batch
 SEGMENTS = (5, 4, 3)  # the packed row: sequences of these lengths, positions restarting
 
 
-def batches(model: Any, entry: Entry) -> dict[str, dict[str, Any]]:
-    """The batches this model takes: plain always; left-padded and packed where it takes text
-    with a mask / position_ids."""
-    plain = plain_inputs(model, entry)
+def batches(model: Any, plain: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The batches this model takes: ``plain`` always; left-padded and packed where it takes
+    text with a mask / position_ids."""
     out = {"plain": plain}
     params = _forward_params(model)
     ids = plain.get("input_ids")
