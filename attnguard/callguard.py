@@ -76,9 +76,11 @@ latched: dict[Hashable, str] = {}
 # serve it (set by the integration that hands the twins over): a call with another argument that
 # can carry numbers takes the slow path, where it is never dropped silently.
 TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
-# attention module type -> keyword names its flash calls pass that were found to carry nothing
-# the twins drop (threaded-through kwargs): its later calls stay on the fast path
-TWIN_PASSTHROUGH: dict[type, frozenset[str]] = {}
+# attention module type -> the arguments outside TWIN_ARGUMENTS its own code passes the flash
+# entry by name (its other keywords are threaded through **kwargs, which every implementation
+# drops alike); ANY where its code is not readable. Judged at load (or at its first eager call).
+TWIN_ASIDE: dict[type, frozenset[str]] = {}
+ANY = "*"
 
 _REMEDY_TEXT = {
     "unify": "cast q/k/v (and mask/bias) to one dtype",
@@ -403,8 +405,6 @@ def _uncomputed_argument_error(
     caller = type(args[0]) if args else None
     names = transformers_kernels.uncomputed(kwargs, caller)
     if not names or len(args) < 4:
-        if caller is not None and not events.is_compiling():
-            TWIN_PASSTHROUGH[caller] = TWIN_PASSTHROUGH.get(caller, frozenset()) | set(kwargs)
         return None
     error = transformers_kernels.unguarded_error(entry.name, args[1], args[2], args[3])
     _note(
@@ -489,7 +489,7 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     entry = _registry_entry(name, original)
     lat = latched
     bf16, fp16, flash = _BF16, _FP16, entry.kind == REGISTRY_FLASH
-    twin_arguments, passthrough = TWIN_ARGUMENTS, TWIN_PASSTHROUGH
+    twin_arguments, aside_for = TWIN_ARGUMENTS, TWIN_ASIDE
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if len(args) < 4:
@@ -507,10 +507,11 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
         if flash:
             known = twin_arguments.get(name) if twin_arguments else None
             if known is not None and not known.issuperset(kwargs):
-                passed = passthrough.get(type(args[0]))
-                if (passed is None or not passed.issuperset(kwargs)) and _carries_numbers(
-                    kwargs, known
-                ):
+                aside = aside_for.get(type(args[0]))
+                if aside is None:  # not judged yet: the slow path judges (never in a trace)
+                    if not events.is_compiling() and _carries_numbers(kwargs, known):
+                        return True
+                elif aside and _carries_numbers(kwargs, known, aside):
                     return True
             return (
                 mask is not None
@@ -528,10 +529,18 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     return _closure(entry, check)
 
 
-def _carries_numbers(kwargs: dict[str, Any], known: frozenset[str]) -> bool:
-    """An argument outside ``known`` that can carry numbers (not None, not a bool flag)."""
+def _carries_numbers(
+    kwargs: dict[str, Any], known: frozenset[str], only: frozenset[str] | None = None
+) -> bool:
+    """An argument outside ``known`` (and, unless ``only`` holds ANY, among ``only``) that can
+    carry numbers (not None, not a bool flag)."""
+    among = None if only is None or ANY in only else only
     return any(
-        k not in known and v is not None and v is not True and v is not False
+        k not in known
+        and (among is None or k in among)
+        and v is not None
+        and v is not True
+        and v is not False
         for k, v in kwargs.items()
     )
 

@@ -120,6 +120,15 @@ _TABLE: tuple[Reason, ...] = (
         'request attn_implementation="eager"',
     ),
     Reason(
+        "flash_model_unrunnable",
+        ("observed",),
+        "flash attention requested where its kernel cannot run, and the model did not load on "
+        "transformers' flash code path with attnguard's twins (its own flash code needs more of "
+        "flash-attn than its kernels): attnguard steps aside, the load runs as it would without "
+        "attnguard (its error is transformers' own)",
+        f"install flash-attn for this torch and GPU, or {_SDPA}",
+    ),
+    Reason(
         "no_fallback_usable",
         ("observed",),
         "no backend of ATTNGUARD_FALLBACK is usable and supported by the model",

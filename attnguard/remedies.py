@@ -573,6 +573,9 @@ def _after_load(model: Any, plan: Plan | None, settings: Settings, site: str) ->
             verify(model, plan, site)
         if _on_twins(plan, settings):
             _remember_twins(model, site)
+            from .patches import transformers_kernels
+
+            transformers_kernels.judge_model(model)  # its attention classes' own arguments
         if settings.allows("align") and hasattr(model, "parameters"):
             from .multigpu import install_rotary_alignment
 
@@ -684,17 +687,38 @@ def _run_load(
     own kwargs (fail-open). The caller's own errors (out of memory, a missing file, a missing
     dependency of their own arguments) propagate at once, and only once.
     """
+    retry: Scope | None = None  # the gate may still fix the backend on the retry
     with _scoped(scope):
-        if new_kwargs is kwargs:
+        if new_kwargs is kwargs and not scope.twins:
             return wrapped(*args, **kwargs), False
         try:
-            return wrapped(*args, **new_kwargs), True
+            return wrapped(*args, **new_kwargs), new_kwargs is not kwargs
         except Exception as exc:
-            if not could_be_ours(exc, kwargs, new_kwargs):
+            if scope.twins and could_be_ours(exc, kwargs, new_kwargs):
+                _twins_load_failed(scope, exc)
+                retry = Scope(scope.site, scope.model, True, False)  # flash as requested
+            elif new_kwargs is kwargs or not could_be_ours(exc, kwargs, new_kwargs):
                 raise
-            report_internal_error(f"{scope.site}.remedy", exc)
-    with _scoped(None):  # the gate may still fix the backend on the retry
+            else:
+                report_internal_error(f"{scope.site}.remedy", exc)
+    with _scoped(retry):
         return wrapped(*args, **kwargs), False
+
+
+def _twins_load_failed(scope: Scope, exc: BaseException) -> None:
+    """The load on transformers' flash path with the twins failed (the model's own flash code
+    needs more of flash-attn than its kernels): step aside, and say so once. The load then runs
+    as it would without attnguard, and its error (transformers' own) is the caller's."""
+    events.emit(  # the error's type only: its text may carry the caller's paths
+        "observed",
+        site=scope.site,
+        reason_code="flash_model_unrunnable",
+        reason=f"{scope.model} did not load on transformers' flash code path with attnguard's "
+        f"SDPA twins ({type(exc).__name__}); left as is: the load runs as it would without "
+        "attnguard",
+        model=scope.model,
+        error_type=type(exc).__name__,
+    )
 
 
 def guarded_from_pretrained(

@@ -99,16 +99,61 @@ def test_arguments_threaded_through_to_attention_run_as_before(guard: Any, llama
     assert [e for e in seen if e["reason_code"] == "flash_argument_uncomputed"] == []
 
 
-def test_the_twins_sinks_are_arguments_they_compute(guard: Any, llama: Any) -> None:
-    """``s_aux`` (attention sinks) reaches the twins and is computed: no step aside."""
-    model = transformers.LlamaForCausalLM.from_pretrained(llama, attn_implementation=FLASH)
-    attn = model.model.layers[0].self_attn
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
-    sinks = torch.randn(4, generator=g)
-    plain, _ = _registry()(attn, q, k, k, None, dropout=0.0)
-    with_sinks, _ = _registry()(attn, q, k, k, None, dropout=0.0, s_aux=sinks)
-    assert (plain - with_sinks).abs().max() > 1e-3
+class _SinkAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+    """Attention with sinks of its own, handed to the attention function as ``s_aux`` (as
+    GPT-OSS does)."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.sinks = torch.nn.Parameter(torch.zeros(config.num_attention_heads))
+
+    def forward(self, hidden_states: Any, position_embeddings: Any, attention_mask: Any, **kw: Any):  # type: ignore[override]
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        interface = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS
+        attention_interface = interface[self.config._attn_implementation]
+        out, weights = attention_interface(
+            self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, s_aux=self.sinks
+        )
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), weights
+
+
+class SinkLlama(transformers.LlamaForCausalLM):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = _SinkAttention(config, i)
+
+
+def test_sinks_a_model_passes_are_computed_or_stepped_aside_for(guard: Any, tmp_path: Any) -> None:
+    """A model whose attention passes sinks (``s_aux``): computed where the release's flash path
+    hands them to the twins (they move the logits); where it does not (4.49), the forward fails
+    with the kernel's own error and one event names ``s_aux``."""
+    from attnguard.patches import transformers_kernels
+
+    torch.manual_seed(0)
+    SinkLlama(tiny_config("llama")).save_pretrained(tmp_path)
+    model = SinkLlama.from_pretrained(tmp_path, attn_implementation=FLASH)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    computed = "s_aux" in transformers_kernels.computed_arguments()
+    with events.capture() as seen, torch.no_grad():
+        if not computed:
+            with pytest.raises(type(_kernel_error())):
+                model(input_ids=ids)
+        else:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.fill_(-100.0)  # a sink that takes no mass: no sinks
+            without = model(input_ids=ids).logits
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+            assert (model(input_ids=ids).logits - without).abs().max() > 1e-3
+    said = [e for e in seen if e["reason_code"] == "flash_argument_uncomputed"]
+    assert [e["arguments"] for e in said] == ([] if computed else [["s_aux"]])
 
 
 # --- a model class transformers routes to another kernel ----------------------------------------
@@ -188,7 +233,7 @@ def test_models_calling_the_flash_path_directly_run_on_the_twins(
 ) -> None:
     """Falcon and GPT-Neo call ``_flash_attention_forward`` themselves, imported only when a
     flash-attn was there at their import: guarded they used to load and then fail with a
-    NameError. Now they compute what eager computes (left padding included)."""
+    NameError. Now they compute what eager computes."""
     if family == "falcon":
         cfg = transformers.FalconConfig(
             vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
@@ -208,10 +253,65 @@ def test_models_calling_the_flash_path_directly_run_on_the_twins(
     flash = cls.from_pretrained(tmp_path, attn_implementation=FLASH).eval()
     eager = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
+    # (unpadded: GPT-Neo's own flash class cannot take a padding mask on some releases, with
+    # any kernel; tests/test_zoo.py compares padded batches with the flash path's own outcome)
     with torch.no_grad():
-        got = flash(input_ids=ids, attention_mask=mask).logits
-        want = eager(input_ids=ids, attention_mask=mask).logits
-    real = mask.bool()
-    torch.testing.assert_close(got[real], want[real], atol=2e-5, rtol=1e-4)
+        got = flash(input_ids=ids).logits
+        want = eager(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_threaded_through_arguments_keep_the_graph_whole(guard: Any, llama: Any) -> None:
+    """Judged at load, not per call: a model compiled with ``fullgraph=True`` before any eager
+    call, with a tensor its forward threads through, traces whole on the twins."""
+    import inspect
+
+    from transformers import modeling_flash_attention_utils as fa_utils
+
+    if "query_length != 1 and not (torch.diff(position_ids" in inspect.getsource(fa_utils):
+        pytest.skip("this release's flash path itself branches on data (a graph break of its own)")
+    torch._dynamo.reset()
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        llama, attn_implementation=FLASH, **{_dtype_key(): torch.bfloat16}
+    ).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])  # (one row: transformers'
+    grid = torch.tensor([[1, 2, 2]])  # flash path reads position_ids to find packed rows)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(input_ids=ids, grid_thw=grid).logits
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+
+
+def _dtype_key() -> str:
+    from packaging.version import Version
+
+    return "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+
+
+class _NeedsFlashAttnParts(transformers.LlamaForCausalLM):
+    """A model whose own flash code builds a part of flash-attn itself (as ModernBERT's rotary
+    embedding does on transformers 4.55-5.0: a class that is ``object`` where flash-attn is
+    missing, so building it fails)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        if "flash" in str(config._attn_implementation):
+            object.__init__(self.model, config)  # TypeError, as in ModernBERT
+
+
+def test_a_model_that_cannot_load_on_the_twins_fails_as_unguarded(tmp_path: Any) -> None:
+    """Never a third outcome: the load fails with transformers' own error, as without attnguard,
+    and one event says why (no internal error, no other error)."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path)
+    with pytest.raises(Exception) as unguarded:
+        _NeedsFlashAttnParts.from_pretrained(tmp_path, attn_implementation=FLASH)
+    attnguard.activate(log="none")
+    events.reset_counts()
+    with events.capture() as seen, pytest.raises(type(unguarded.value)) as guarded:
+        _NeedsFlashAttnParts.from_pretrained(tmp_path, attn_implementation=FLASH)
+    assert str(guarded.value) == str(unguarded.value)
+    said = [(e["event"], e["reason_code"]) for e in seen if e["event"] != "backend_fallback"]
+    assert said == [("observed", "flash_model_unrunnable")]

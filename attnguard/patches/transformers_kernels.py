@@ -219,21 +219,45 @@ def computed_arguments() -> frozenset[str]:
         return _state.computed
 
 
+def judge(caller: type) -> frozenset[str]:
+    """The arguments outside :func:`computed_arguments` that ``caller`` (an attention class)
+    passes the attention function by name in its own code; ANY where that code is not readable.
+    Remembered for its calls (:data:`attnguard.callguard.TWIN_ASIDE`)."""
+    from .. import callguard
+    from . import transformers_routing
+
+    found = callguard.TWIN_ASIDE.get(caller)
+    if found is None:
+        named = transformers_routing.attention_keywords(caller)
+        found = frozenset(named - computed_arguments()) if named else frozenset({callguard.ANY})
+        callguard.TWIN_ASIDE[caller] = found
+    return found
+
+
+def judge_model(model: Any) -> None:
+    """Judge every class of ``model``'s modules now, at load, so its calls are checked without
+    reading any source (under ``torch.compile`` too)."""
+    for kind in {type(m) for m in model.modules()}:
+        if kind.__module__.startswith("torch."):
+            continue
+        judge(kind)
+
+
 def uncomputed(kwargs: dict[str, Any], caller: type | None = None) -> list[str]:
     """The arguments of this flash registry call that the flash path on the twins would drop:
     not among :func:`computed_arguments`, with a value that can carry numbers (not None, not a
     bool flag), and named by the calling attention class's own code where it is readable (an
     argument its model's forward only threads through ``**kwargs``, such as a vision tower's
     ``grid_thw``, is dropped by every attention implementation alike)."""
-    from . import transformers_routing
+    from .. import callguard
 
     known = computed_arguments()
     found = [
         k for k, v in kwargs.items() if k not in known and v is not None and not isinstance(v, bool)
     ]
-    named = transformers_routing.attention_keywords(caller) if caller is not None else None
-    if named:  # empty: the module's source is not readable, or it names nothing: keep all
-        found = [k for k in found if k in named]
+    aside = judge(caller) if caller is not None else frozenset({callguard.ANY})
+    if callguard.ANY not in aside:
+        found = [k for k in found if k in aside]
     return sorted(found)
 
 
@@ -470,6 +494,7 @@ def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
 def _refresh_serving() -> None:
     from .. import callguard
 
+    callguard.TWIN_ASIDE.clear()  # judged against the arguments computed before
     for implementation in list(callguard.TWIN_ARGUMENTS):
         callguard.TWIN_ARGUMENTS[implementation] = computed_arguments()
 

@@ -104,6 +104,7 @@ PROFILES = (
 )
 WINDOW = 4  # a sliding window shorter than every test batch: it bites
 VOCAB_CAP = 256  # token ids drawn below this (and below the model's vocabulary)
+WIDTH_FALLBACK = 32
 LENGTH = 12
 
 
@@ -242,11 +243,10 @@ _FILL_NONE = (
 _CAPPED = {
     "num_experts_per_tok": 2,
     "moe_topk": 2,
-    "top_k": 2,
     "num_experts_per_token": 2,
     "moe_k": 2,
     "moe_top_k": 2,
-}
+}  # (not "top_k": a generation parameter in older configs)
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
@@ -280,6 +280,8 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = p.ffn
         elif isinstance(value, list) and depth and len(value) == depth and depth > p.layers:
             out[key] = _pattern(value, p.layers)  # one entry per layer
+        elif _repeated_pattern(value, depth):  # [[["global", "local"], 12]]: one repeat
+            out[key] = [[value[0][0], max(1, p.layers // max(1, len(value[0][0])))]]
         elif _layer_indices(key, value, depth):
             kept = [v for v in value if v < p.layers]
             out[key] = kept or [p.layers - 1]
@@ -290,6 +292,16 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = value
     _agree(d, out, p)
     return out
+
+
+def _repeated_pattern(value: Any, depth: int | None) -> bool:
+    """Layer types given as [[pattern, repeats], ...] expanding to one per layer."""
+    if not (isinstance(value, list) and value and depth):
+        return False
+    pairs = [v for v in value if isinstance(v, list) and len(v) == 2 and _int(v[1])]
+    if len(pairs) != len(value) or not all(isinstance(v[0], list) for v in pairs):
+        return False
+    return sum(len(v[0]) * v[1] for v in pairs) == depth
 
 
 def _layer_indices(key: str, value: Any, depth: int | None) -> bool:
@@ -406,7 +418,7 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
             config = tiny_config(cls, profile)
             torch.manual_seed(seed)
             model = cls._from_config(config, attn_implementation="eager", torch_dtype=torch.float32)
-            model.eval()
+            prepare(model)
         except Exception as exc:
             errors.append(f"{profile.name}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
@@ -419,6 +431,16 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
                 failed = failed or exc
         errors.append(f"{profile.name}: {type(failed).__name__}: {str(failed)[:200]}")
     raise NotBuilt(" | ".join(dict.fromkeys(errors)))
+
+
+def prepare(model: Any) -> Any:
+    """Eval mode, and what a model needs set before it runs (its language, for models with
+    adapters per language)."""
+    model.eval()
+    languages = getattr(model.config, "languages", None)
+    if languages and callable(getattr(model, "set_default_language", None)):
+        model.set_default_language(list(languages)[0])
+    return model
 
 
 class NotBuilt(Exception):
@@ -558,6 +580,15 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
             alone = {name: value, **_companions(params, cfg, value)}
             with_words = {**words, **alone}
             out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+    width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
+    for name in sorted(required - {n for c in out for n in c}):  # embeddings it must be given
+        if name.endswith(("_embeds", "hidden_states")):
+            out.append({**words, name: torch.randn(batch, length, width, generator=g)})
+    if len(out) > 1 and not any(required <= set(c) for c in out):  # one of each, together
+        merged: dict[str, Any] = {}
+        for c in out:
+            merged.update({k: v for k, v in c.items() if k not in merged})
+        out.append(merged)
     return [c for c in out if required <= set(c)] or out
 
 

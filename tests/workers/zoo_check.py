@@ -194,10 +194,14 @@ _FLASH_PATH_FILES = ("modeling_flash_attention_utils.py", "integrations/flash_at
 
 
 def _in_flash_path(exc: BaseException) -> bool:
-    """The error was raised inside transformers' flash path (or a kernel it called)."""
+    """The error was raised inside transformers' flash path: its flash modules, or a model's own
+    flash attention class (``GPTNeoFlashAttention2``), or a kernel they called."""
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(_FLASH_PATH_FILES):
+        code = tb.tb_frame.f_code
+        if code.co_filename.replace("\\", "/").endswith(_FLASH_PATH_FILES):
+            return True
+        if "transformers" in code.co_filename and "Flash" in getattr(code, "co_qualname", ""):
             return True
         tb = tb.tb_next
     return False
@@ -260,7 +264,9 @@ def check(entry: zoo.Entry, root: Any) -> Record:
     events.reset_counts()  # every load's events are emitted, not only the process's first
     with events.capture() as seen:
         try:
-            flash = cls.from_pretrained(path, attn_implementation=FLASH, **dtype_kwargs()).eval()
+            flash = zoo.prepare(
+                cls.from_pretrained(path, attn_implementation=FLASH, **dtype_kwargs())
+            )
             guarded_error = None
         except Exception as exc:
             guarded_error = exc
