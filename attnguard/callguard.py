@@ -400,25 +400,45 @@ def _uncomputed_argument_error(
     (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
     error the call meets without attnguard (to raise), after one event naming the argument;
     None when every argument is computed."""
-    from .patches import transformers_kernels
+    from .patches import transformers_arguments
 
-    caller = type(args[0]) if args else None
-    names = transformers_kernels.uncomputed(kwargs, caller)
+    aside = judge(type(args[0])) if args else frozenset({ANY})
+    names = transformers_arguments.uncomputed(kwargs, None if ANY in aside else aside)
     if not names or len(args) < 4:
         return None
-    error = transformers_kernels.unguarded_error(entry.name, args[1], args[2], args[3])
+    error = transformers_arguments.unguarded_error(entry.name, args[1], args[2], args[3])
     _note(
         "observed",
         site,
         "flash_argument_uncomputed",
         f"{entry.name} call passes {', '.join(names)}, which attnguard's twins of the "
         "flash-attn kernels do not compute (transformers' flash path hands a kernel only the "
-        "arguments its signature declares and drops the rest); left as is: the call fails as "
-        f"it does without attnguard ({type(error).__name__})",
+        "arguments its signature declares and drops the rest); left as is: the call fails with "
+        f"{entry.name}'s own error ({type(error).__name__})",
         requested=entry.name,
         arguments=names,
     )
     return error
+
+
+def judge(caller: type) -> frozenset[str]:
+    """The arguments outside TWIN_ARGUMENTS that attention class ``caller`` passes by name (ANY
+    where its code is not readable), remembered for its calls (:data:`TWIN_ASIDE`)."""
+    found = TWIN_ASIDE.get(caller)
+    if found is None:
+        from .patches import transformers_arguments
+
+        named = transformers_arguments.named_uncomputed(caller)
+        found = TWIN_ASIDE[caller] = frozenset({ANY}) if named is None else named
+    return found
+
+
+def judge_model(model: Any) -> None:
+    """Judge the classes of ``model``'s modules now (at load), so that its calls are checked
+    without reading any source, under ``torch.compile`` too."""
+    for kind in {type(m) for m in model.modules()}:
+        if not kind.__module__.startswith("torch."):
+            judge(kind)
 
 
 def _faster_kernel(

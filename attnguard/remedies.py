@@ -240,7 +240,7 @@ def _support_fields(cls: type, attn: Any) -> dict[str, Any]:
 def _routing_fields(cls: type, attn: Any) -> dict[str, Any]:
     """Where transformers would send this model's flash request instead, and what its attention
     passes that the twins do not compute (:mod:`.patches.transformers_routing`)."""
-    from .patches import transformers_kernels, transformers_routing
+    from .patches import transformers_arguments, transformers_routing
 
     values = attn.values() if isinstance(attn, Mapping) else [attn]
     routed = next(
@@ -248,7 +248,7 @@ def _routing_fields(cls: type, attn: Any) -> dict[str, Any]:
     )
     if routed is None:
         return {}
-    computed = transformers_kernels.computed_arguments()
+    computed = transformers_arguments.computed_arguments()
     missed = transformers_routing.uncomputed_keywords(cls, computed)
     return {"flash_routed_to": routed, "flash_uncomputed": tuple(missed)}
 
@@ -573,9 +573,9 @@ def _after_load(model: Any, plan: Plan | None, settings: Settings, site: str) ->
             verify(model, plan, site)
         if _on_twins(plan, settings):
             _remember_twins(model, site)
-            from .patches import transformers_kernels
+            from .callguard import judge_model
 
-            transformers_kernels.judge_model(model)  # its attention classes' own arguments
+            judge_model(model)  # its attention classes' own arguments
         if settings.allows("align") and hasattr(model, "parameters"):
             from .multigpu import install_rotary_alignment
 
@@ -860,9 +860,9 @@ def guarded_check_and_adjust(
         # transformers' other checks for this model still run; its flash check would refuse a
         # kernel that cannot run here (or fetch one from the hub): the twins compute instead
         _call_with(wrapped, args, kwargs, "eager")
-        from .patches import transformers_kernels
+        from .patches import transformers_arguments, transformers_kernels
 
-        transformers_kernels.bind_flash_globals(type(instance))
+        transformers_arguments.bind_flash_globals(type(instance))
         transformers_kernels.preload(new)
         return new
     if new is requested:
@@ -917,9 +917,9 @@ def guarded_autoset(
         building = _models_being_built()  # the classmethod is called from the model's __init__
         if building and isinstance(building[0], cls):
             _remember_twins(building[0], SITE_INIT)
-        from .patches import transformers_kernels
+        from .patches import transformers_arguments
 
-        transformers_kernels.bind_flash_globals(cls)
+        transformers_arguments.bind_flash_globals(cls)
         # transformers' own flash check (``_check_and_enable_flash_attn_2``) runs inside and,
         # seeing the scope, lets flash's code path stand for the SDPA twins
         with _scoped(Scope(SITE_INIT, getattr(cls, "__name__", "?"), True, True)):

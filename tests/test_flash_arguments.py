@@ -134,13 +134,13 @@ def test_sinks_a_model_passes_are_computed_or_stepped_aside_for(guard: Any, tmp_
     """A model whose attention passes sinks (``s_aux``): computed where the release's flash path
     hands them to the twins (they move the logits); where it does not (4.49), the forward fails
     with the kernel's own error and one event names ``s_aux``."""
-    from attnguard.patches import transformers_kernels
+    from attnguard.patches import transformers_arguments
 
     torch.manual_seed(0)
     SinkLlama(tiny_config("llama")).save_pretrained(tmp_path)
     model = SinkLlama.from_pretrained(tmp_path, attn_implementation=FLASH)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
-    computed = "s_aux" in transformers_kernels.computed_arguments()
+    computed = "s_aux" in transformers_arguments.computed_arguments()
     with events.capture() as seen, torch.no_grad():
         if not computed:
             with pytest.raises(type(_kernel_error())):

@@ -22,7 +22,6 @@ backend that computes different numbers.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -62,7 +61,6 @@ class _State:
         self.unrecognised = "transformers' flash code path has not been read"
         self.probe: Any = None  # transformers_probe.Result, once run
         self.override = threading.local()  # the probe's recorders, on the probing thread only
-        self.computed: frozenset[str] | None = None  # arguments computed on the twins
 
 
 _state = _State()
@@ -86,8 +84,7 @@ def unrecognised() -> str:
             from . import transformers_probe
 
             _state.probe = transformers_probe.run(_state.module, _state.wiring)
-            _state.computed = None  # the probe may have found an argument not computed
-            _refresh_serving()
+            _refresh_serving()  # the probe may have found an argument not computed
             if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
                 ledger.unpatch_all()
                 if _state.wiring.layout != GLOBALS:
@@ -165,195 +162,6 @@ def _window_offset() -> tuple[int, int] | None:
     """The window convention as (left - w, right - w): recorded by the probe, else read."""
     offset = getattr(_state.probe, "window_offset", None)
     return offset if offset is not None else getattr(_state.wiring, "window_offset", None)
-
-
-# --- the arguments the twins compute ---------------------------------------------------------------
-
-
-def _typed_kwargs() -> set[str]:
-    """The keyword arguments transformers threads through every model's forward to its attention
-    functions (``TransformersKwargs`` / ``FlashAttentionKwargs``: positions, packed-row bounds,
-    output flags): each is read by the flash path or carries no numbers."""
-    names: set[str] = set()
-    for module_name, attr in (
-        ("transformers.utils.generic", "TransformersKwargs"),
-        (MODULE, "FlashAttentionKwargs"),
-    ):
-        typed = getattr(sys.modules.get(module_name), attr, None)
-        for klass in getattr(typed, "__mro__", ()):
-            names |= set(getattr(klass, "__annotations__", {}))
-    return names
-
-
-def _registry_parameters() -> set[str]:
-    """The named parameters of transformers' flash registry function (``flash_attention_forward``)."""
-    fn = getattr(
-        sys.modules.get("transformers.integrations.flash_attention"),
-        "flash_attention_forward",
-        None,
-    )
-    return set(transformers_wiring._named_parameters(fn)) if callable(fn) else set()
-
-
-def computed_arguments() -> frozenset[str]:
-    """The keyword arguments of a flash registry call that transformers' flash path on the twins
-    computes (or that carry no numbers): the parameters of the path's own functions, except
-    those it hands the kernel only where the kernel declares them and the twins do not (or the
-    probe found not computed), and the arguments every model threads through."""
-    with _state.lock:
-        if _state.computed is not None:
-            return _state.computed
-        wired = _state.wiring
-        if wired is None:
-            return frozenset()
-        twin = _twins()[VARLEN]
-        declared = transformers_wiring._named_parameters(twin) if twin is not None else set()
-        missed = getattr(_state.probe, "uncomputed", {}) or {}
-        dropped = {
-            arg
-            for arg, names in wired.conditional
-            if arg in missed or not any(n in declared for n in names)
-        }
-        known = (_registry_parameters() | set(wired.path_parameters) | _typed_kwargs()) - dropped
-        _state.computed = frozenset(known)
-        return _state.computed
-
-
-def judge(caller: type) -> frozenset[str]:
-    """The arguments outside :func:`computed_arguments` that ``caller`` (an attention class)
-    passes the attention function by name in its own code; ANY where that code is not readable.
-    Remembered for its calls (:data:`attnguard.callguard.TWIN_ASIDE`)."""
-    from .. import callguard
-    from . import transformers_routing
-
-    found = callguard.TWIN_ASIDE.get(caller)
-    if found is None:
-        named = transformers_routing.attention_keywords(caller)
-        found = frozenset(named - computed_arguments()) if named else frozenset({callguard.ANY})
-        callguard.TWIN_ASIDE[caller] = found
-    return found
-
-
-def judge_model(model: Any) -> None:
-    """Judge every class of ``model``'s modules now, at load, so its calls are checked without
-    reading any source (under ``torch.compile`` too)."""
-    for kind in {type(m) for m in model.modules()}:
-        if kind.__module__.startswith("torch."):
-            continue
-        judge(kind)
-
-
-def uncomputed(kwargs: dict[str, Any], caller: type | None = None) -> list[str]:
-    """The arguments of this flash registry call that the flash path on the twins would drop:
-    not among :func:`computed_arguments`, with a value that can carry numbers (not None, not a
-    bool flag), and named by the calling attention class's own code where it is readable (an
-    argument its model's forward only threads through ``**kwargs``, such as a vision tower's
-    ``grid_thw``, is dropped by every attention implementation alike)."""
-    from .. import callguard
-
-    known = computed_arguments()
-    found = [
-        k for k, v in kwargs.items() if k not in known and v is not None and not isinstance(v, bool)
-    ]
-    aside = judge(caller) if caller is not None else frozenset({callguard.ANY})
-    if callguard.ANY not in aside:
-        found = [k for k in found if k in aside]
-    return sorted(found)
-
-
-_KERNEL_MODULES = {
-    "flash_attention_2": "flash_attn",
-    "flash_attention_3": "flash_attn_interface",
-    "flash_attention_4": "flash_attn.cute",
-}
-
-
-def unguarded_error(implementation: str, query: Any, key: Any, value: Any) -> BaseException:
-    """The error this call meets in transformers' flash path without attnguard, where the
-    kernel cannot run here: the kernel package's import error (flash-attn missing or broken), or
-    the kernel's own error on these tensors (no CUDA, an old GPU, CPU tensors). Nothing is
-    fetched from the hub and no shared cache is touched."""
-    import importlib
-
-    name = _KERNEL_MODULES.get(implementation.split("|", 1)[-1], "flash_attn")
-    try:
-        package = importlib.import_module(name)
-        kernel = getattr(package, FUNC)
-    except Exception as exc:
-        return exc
-    kernel = getattr(kernel, "__attnguard_original__", kernel)
-    try:
-        kernel(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-    except Exception as exc:
-        return exc
-    return RuntimeError(f"{implementation}'s kernel ran here although attnguard found it unusable")
-
-
-# --- model modules that import the flash path only where a flash-attn was there --------------------
-
-_bound: dict[str, tuple[str, ...]] = {}
-
-
-def _code_names(code: Any, out: set[str]) -> None:
-    out.update(code.co_names)
-    for const in code.co_consts:
-        if hasattr(const, "co_names"):
-            _code_names(const, out)
-
-
-def _names_read(module: ModuleType) -> set[str]:
-    """The global names the functions and methods defined in ``module`` read."""
-    names: set[str] = set()
-    owner = module.__name__
-    for obj in list(vars(module).values()):
-        if getattr(obj, "__module__", None) != owner:
-            continue
-        members = list(vars(obj).values()) if isinstance(obj, type) else [obj]
-        for member in members:
-            fn = getattr(member, "__func__", member)  # staticmethod / classmethod
-            code = getattr(_unwrap(fn), "__code__", None)
-            if code is not None:
-                _code_names(code, names)
-    return names
-
-
-def _unwrap(fn: Any) -> Any:
-    try:
-        return inspect.unwrap(fn)
-    except ValueError:
-        return fn
-
-
-def bind_flash_globals(model_class: type) -> tuple[str, ...]:
-    """The names the module of ``model_class`` reads from transformers' flash path module but
-    never bound (it imports them only where a flash-attn was available when it was imported, as
-    Falcon's and GPT-Neo's ``_flash_attention_forward``): bound now to the flash path's own
-    objects, so the model's flash code runs (on the twins, when they serve) instead of failing
-    with a NameError at its first forward. Restored at unpatch. Returns the names bound."""
-    import builtins
-
-    flash = _state.module
-    name = getattr(model_class, "__module__", "")
-    module = sys.modules.get(name)
-    if flash is None or module is None or module is flash:
-        return ()
-    with _state.lock:
-        if name in _bound:
-            return _bound[name]
-        missing = tuple(
-            sorted(
-                n
-                for n in _names_read(module)
-                if n not in vars(module)
-                and not hasattr(builtins, n)
-                and callable(vars(flash).get(n))
-            )
-        )
-        for n in missing:
-            value = vars(flash)[n]
-            ledger.patch(module, n, lambda _o, _v=value: _v)
-        _bound[name] = missing
-        return missing
 
 
 # --- the twins, and saying so -------------------------------------------------------------------
@@ -491,12 +299,22 @@ def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
 # --- the globals layout ---------------------------------------------------------------------------
 
 
+def _computed() -> frozenset[str]:
+    from . import transformers_arguments
+
+    with _state.lock:
+        missed = getattr(_state.probe, "uncomputed", None) or {}
+        return transformers_arguments.computed_arguments(_state.wiring, set(missed))
+
+
 def _refresh_serving() -> None:
+    """What the twins compute, read again (the probe has run)."""
     from .. import callguard
 
+    computed = _computed()
     callguard.TWIN_ASIDE.clear()  # judged against the arguments computed before
     for implementation in list(callguard.TWIN_ARGUMENTS):
-        callguard.TWIN_ARGUMENTS[implementation] = computed_arguments()
+        callguard.TWIN_ARGUMENTS[implementation] = computed
 
 
 def _serving(implementation: str) -> None:
@@ -504,7 +322,7 @@ def _serving(implementation: str) -> None:
     checked for arguments the twins would not compute (:mod:`attnguard.callguard`)."""
     from .. import callguard
 
-    callguard.TWIN_ARGUMENTS[implementation] = computed_arguments()
+    callguard.TWIN_ARGUMENTS[implementation] = _computed()
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -611,7 +429,7 @@ def patch(module: ModuleType) -> None:
     """Hand transformers' flash code path the twins where flash-attn's kernel cannot run, if its
     wiring is one attnguard recognises (otherwise remember why not)."""
     with _state.lock:
-        _state.module, _state.probe, _state.computed = module, None, None
+        _state.module, _state.probe = module, None
         try:
             wired = transformers_wiring.read(module)
         except Unrecognised as exc:
@@ -643,15 +461,16 @@ def preload(implementation: str) -> None:
 def unpatch() -> None:
     """Restore every original this module replaced; the lazy cache re-resolves unguarded."""
     from .. import callguard
+    from . import transformers_arguments
 
     ledger.unpatch_all()
+    transformers_arguments.unpatch()
     _announced.clear()
-    _bound.clear()
     callguard.TWIN_ARGUMENTS.clear()
+    callguard.TWIN_ASIDE.clear()
     with _state.lock:
         module, wired = _state.module, _state.wiring
         _state.module, _state.wiring, _state.probe = None, None, None
-        _state.computed = None
         _state.unrecognised = "transformers' flash code path has not been read"
     if module is not None and wired is not None and wired.layout != GLOBALS:
         _clear_lazy_cache(module, wired)

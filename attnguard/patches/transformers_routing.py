@@ -94,5 +94,5 @@ def _keywords_of(tree: ast.Module) -> set[str]:
 
 def uncomputed_keywords(cls: type, computed: frozenset[str]) -> list[str]:
     """The keywords ``cls``'s attention passes that the flash path on the twins does not compute
-    (``computed``: :func:`.transformers_kernels.computed_arguments`)."""
+    (``computed``: :func:`.transformers_arguments.computed_arguments`)."""
     return sorted(attention_keywords(cls) - computed)
