@@ -293,12 +293,13 @@ def check(entry: zoo.Entry, root: Any, eager: bool = True) -> Record:
             type(guarded_error),
             str(guarded_error),
         )
-        if not same:  # a checkpoint that does not load back at all: the zoo's, not the guard's
-            try:
-                cls.from_pretrained(path, attn_implementation="eager", **dtype_kwargs())
-            except Exception as exc:
-                record.outcome, record.detail = "not_built", f"load: {error_text(exc)}"
-                return record
+        # a checkpoint that does not load back at all (its config does not round-trip): the
+        # zoo's, not the guard's (the unguarded load fails before reading it)
+        try:
+            cls.from_pretrained(path, attn_implementation="eager", **dtype_kwargs())
+        except Exception as exc:
+            record.outcome, record.detail = "not_built", f"load: {error_text(exc)}"
+            return record
         record.outcome = "aside" if same else "harm"
         record.detail = f"guarded {error_text(guarded_error)}" + (
             "" if same else f"; unguarded {error_text(unguarded) if unguarded else 'loads'}"
