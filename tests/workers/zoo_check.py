@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from typing import Any
 
 import torch
@@ -299,13 +300,16 @@ def check(entry: zoo.Entry, root: Any, eager: bool = True) -> Record:
             cls.from_pretrained(path, attn_implementation="eager", **dtype_kwargs())
         except Exception as exc:
             record.outcome, record.detail = "not_built", f"load: {error_text(exc)}"
+            shutil.rmtree(path, ignore_errors=True)
             return record
         record.outcome = "aside" if same else "harm"
         record.detail = f"guarded {error_text(guarded_error)}" + (
             "" if same else f"; unguarded {error_text(unguarded) if unguarded else 'loads'}"
         )
+        shutil.rmtree(path, ignore_errors=True)
         return record
     compare(flash, ref, plain, record, eager)
+    shutil.rmtree(path, ignore_errors=True)  # tiny, but hundreds of them
     if any(not v <= ATOL for v in record.errors.values()):
         record.outcome = "wrong"
     return record
