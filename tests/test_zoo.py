@@ -133,11 +133,12 @@ def test_zoo_model(root: Path, guard: None, model_type: str) -> None:
     assert "plain" in checked, "at least the plain batch ran: " + _summary(record)
 
 
-# Share of the zoo's model types that must build from their config's defaults. Nine in ten is
-# the aim; on 5.24.0 eight in ten build (docs/zoo.md names every other one and why: detection
-# models with backbones, video trackers that need an inference session, models that need timm
-# or pillow, configs whose validators tie fields this shrink does not know).
-BUILT_SHARE = 0.8
+# Share of the zoo's model types that must build from their config's defaults: a floor under
+# what builds today (on 5.24.0 four in five; nine in ten is the aim), so that a release that
+# breaks much more of the zoo fails here. docs/zoo.md names every model not built and why
+# (detection models with backbones, video trackers that need an inference session, models that
+# need timm or pillow, configs whose validators tie fields the shrink does not know).
+BUILT_SHARE = 0.75
 
 
 def test_the_zoo_builds_most_and_names_the_rest() -> None:

@@ -339,8 +339,10 @@ def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
     if _int(d.get("num_frames")):
         frames = tubelet[0] if isinstance(tubelet, list) and tubelet else tubelet
         d["num_frames"] = max(2, frames if _int(frames) else 1)
+    lengths = {len(v) for v in d.values() if isinstance(v, list)}
     for key, value in list(d.items()):  # num_spatial_layers, num_temporal_layers, ...
-        if key.startswith("num_") and key.endswith("_layers") and _int(value) and value > p.layers:
+        counted = key.startswith("num_") and key.endswith("_layers") and _int(value)
+        if counted and value > p.layers and value not in lengths:  # (not one per list entry)
             d[key] = p.layers
     if isinstance(d.get("stage_names"), list):
         n = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), p.layers)
