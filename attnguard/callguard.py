@@ -73,6 +73,16 @@ _BOOL = torch.bool
 # and goes straight to the twin: a failing kernel is not retried on every call.
 latched: dict[Hashable, str] = {}
 
+# flash registry key -> the keyword arguments its flash path computes while attnguard's twins
+# serve it (set by the integration that hands the twins over): a call with another argument that
+# can carry numbers takes the slow path, where it is never dropped silently.
+TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
+# attention module type -> the arguments outside TWIN_ARGUMENTS its own code passes the flash
+# entry by name (its other keywords are threaded through **kwargs, which every implementation
+# drops alike); ANY where its code is not readable. Judged at load (or at its first eager call).
+TWIN_ASIDE: dict[type, frozenset[str]] = {}
+ANY = "*"
+
 _REMEDY_TEXT = {
     "unify": "cast q/k/v (and mask/bias) to one dtype",
     "align": "move q/k/v and the mask to the query's device",
@@ -411,6 +421,54 @@ def _stepped_aside(entry: Entry, args: tuple[Any, ...]) -> None:
         report_internal_error(f"transformers.{entry.name}", exc)
 
 
+def _uncomputed_argument_error(
+    entry: Entry, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> BaseException | None:
+    """A flash registry call on the twins that passes an argument the twins would not compute
+    (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
+    error the call meets without attnguard (to raise), after one event naming the argument;
+    None when every argument is computed."""
+    from .patches import transformers_arguments
+
+    aside = judge(type(args[0])) if args else frozenset({ANY})
+    names = transformers_arguments.uncomputed(kwargs, None if ANY in aside else aside)
+    if not names or len(args) < 4:
+        return None
+    error = transformers_arguments.unguarded_error(entry.name, args[1], args[2], args[3])
+    _note(
+        "observed",
+        site,
+        "flash_argument_uncomputed",
+        f"{entry.name} call passes {', '.join(names)}, which attnguard's twins of the "
+        "flash-attn kernels do not compute (transformers' flash path hands a kernel only the "
+        "arguments its signature declares and drops the rest); left as is: the call fails with "
+        f"{entry.name}'s own error ({type(error).__name__})",
+        requested=entry.name,
+        arguments=names,
+    )
+    return error
+
+
+def judge(caller: type) -> frozenset[str]:
+    """The arguments outside TWIN_ARGUMENTS that attention class ``caller`` passes by name (ANY
+    where its code is not readable), remembered for its calls (:data:`TWIN_ASIDE`)."""
+    found = TWIN_ASIDE.get(caller)
+    if found is None:
+        from .patches import transformers_arguments
+
+        named = transformers_arguments.named_uncomputed(caller)
+        found = TWIN_ASIDE[caller] = frozenset({ANY}) if named is None else named
+    return found
+
+
+def judge_model(model: Any) -> None:
+    """Judge the classes of ``model``'s modules now (at load), so that its calls are checked
+    without reading any source, under ``torch.compile`` too."""
+    for kind in {type(m) for m in model.modules()}:
+        if not kind.__module__.startswith("torch."):
+            judge(kind)
+
+
 def _faster_kernel(
     entry: Entry, settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -484,6 +542,7 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     entry = _registry_entry(name, original)
     lat = latched
     bf16, fp16, flash = _BF16, _FP16, entry.kind == REGISTRY_FLASH
+    twin_arguments, aside_for = TWIN_ARGUMENTS, TWIN_ASIDE
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if len(args) < 4:
@@ -499,6 +558,14 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
         if lat and (name, type(args[0])) in lat:
             return True
         if flash:
+            known = twin_arguments.get(name) if twin_arguments else None
+            if known is not None and not known.issuperset(kwargs):
+                aside = aside_for.get(type(args[0]))
+                if aside is None:  # not judged yet: the slow path judges (never in a trace)
+                    if not events.is_compiling() and _carries_numbers(kwargs, known):
+                        return True
+                elif aside and _carries_numbers(kwargs, known, aside):
+                    return True
             return (
                 mask is not None
                 and (mask.get_device() != dev or mask.dim() == 4)
@@ -513,6 +580,22 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
 
     del bf16, fp16
     return _closure(entry, check)
+
+
+def _carries_numbers(
+    kwargs: dict[str, Any], known: frozenset[str], only: frozenset[str] | None = None
+) -> bool:
+    """An argument outside ``known`` (and, unless ``only`` holds ANY, among ``only``) that can
+    carry numbers (not None, not a bool flag)."""
+    among = None if only is None or ANY in only else only
+    return any(
+        k not in known
+        and (among is None or k in among)
+        and v is not None
+        and v is not True
+        and v is not False
+        for k, v in kwargs.items()
+    )
 
 
 def wrap_direct(entry: Entry) -> Callable[..., Any]:
@@ -561,6 +644,11 @@ def _xformers_bias_off(
 def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
     c = _Call(entry, args, kwargs)
     site = entry.site_of(c)
+    if entry.kind == REGISTRY_FLASH and TWIN_ARGUMENTS.get(entry.name) is not None:
+        error = _uncomputed_argument_error(entry, site, args, kwargs)
+        if error is not None:
+            call_fn.raised = error  # the call's own error without attnguard: fail_open lets it go
+            raise error
     names = entry.tensors
     query = c.get(names[0])
     dev = query.device

@@ -88,6 +88,18 @@ TABLE: tuple[Rule, ...] = (
         None,
     ),
     Rule(
+        "flash-args-uncomputed",
+        "A/B",
+        "as flash-on-sdpa, but transformers routes this model's flash request to another kernel "
+        "(the model's _compatible_flash_implementations) and the model's attention passes an "
+        "argument attnguard's twins do not compute",
+        "change no backend: the request goes to transformers as made (its routing, or its own "
+        "error, stands); the event names the argument and the kernel transformers chooses",
+        "observed",
+        "flash_argument_uncomputed",
+        None,
+    ),
+    Rule(
         "flash-unusable",
         "A/B",
         "as flash-on-sdpa, but the flash code path cannot be kept for this model: its class "
@@ -284,6 +296,10 @@ class LoadRequest:
     flash_path_on_twins: bool = False
     # why attnguard does not know this release's flash code path ("" when it does, or unasked)
     flash_path_unrecognised: str = ""
+    # the kernel transformers itself would load for this model's flash request ("" = the
+    # request), and the arguments its attention passes that the twins do not compute
+    flash_routed_to: str = ""
+    flash_uncomputed: tuple[str, ...] = ()
     model_bytes: int | None = None
 
     @property
@@ -582,6 +598,19 @@ def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft:
                     )
                 )
                 continue
+            if request.flash_uncomputed:  # transformers sends it elsewhere; the twins lack it
+                why = (
+                    f"transformers routes {request.model or 'this model'}'s flash request to "
+                    f"{request.flash_routed_to}, and its attention passes "
+                    f"{', '.join(request.flash_uncomputed)}, which attnguard's twins do not "
+                    "compute; the request goes to transformers as made"
+                )
+                draft.actions.append(
+                    _observe(
+                        "flash-args-uncomputed", "flash_argument_uncomputed", problem, why, target
+                    )
+                )
+                continue
         else:
             continue
         choice = fallback_choice(request, facts, settings, flash_path=request.supports_flash)
@@ -598,12 +627,21 @@ def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft:
             )
             continue
         attn, kernels = choice
+        fields: dict[str, Any] = {"attn_implementation": attn, "slower": attn == "eager"}
         if kernels == SDPA_TWINS:
             rule = "flash-on-sdpa"
             change = (
                 "keep transformers' flash code path and compute its kernel calls with "
                 "attnguard's SDPA twins of the flash-attn functions (same semantics)"
             )
+            if request.flash_routed_to:  # the semantics kept are those of transformers' choice
+                change = (
+                    f"keep transformers' flash code path with the semantics of "
+                    f"{request.flash_routed_to}, which transformers chooses for this model, and "
+                    "compute its kernel calls, with every argument the model's attention passes, "
+                    "with attnguard's SDPA twins of the flash-attn functions"
+                )
+                fields["transformers_chooses"] = request.flash_routed_to
             draft.kernels = SDPA_TWINS
             if _canonical(want) != attn:  # flash_attention_3/4: the same path, FA2's functions
                 draft.new_attn[target] = attn
@@ -623,7 +661,7 @@ def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft:
                 want,
                 "sdpa" if kernels == SDPA_TWINS else attn,
                 change,
-                {"attn_implementation": attn, "slower": attn == "eager"},
+                fields,
             )
         )
 

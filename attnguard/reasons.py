@@ -108,6 +108,27 @@ _TABLE: tuple[Reason, ...] = (
         f"GPU, or {_SDPA} (transformers' sdpa path does not hold packed rows apart on every release)",
     ),
     Reason(
+        "flash_argument_uncomputed",
+        ("observed",),
+        "flash attention requested where its kernel cannot run, and the model passes its "
+        "attention an argument that attnguard's twins of the flash-attn kernels do not compute "
+        "(transformers' flash path would drop it for them; at load: a model whose request "
+        "transformers routes to another kernel, whose code passes it): attnguard steps aside, "
+        "the load or the call fails as it would without attnguard, and the event names the "
+        "argument",
+        "install the kernel transformers chooses for this model (the event names it), or "
+        'request attn_implementation="eager"',
+    ),
+    Reason(
+        "flash_model_unrunnable",
+        ("observed",),
+        "flash attention requested where its kernel cannot run, and the model did not load on "
+        "transformers' flash code path with attnguard's twins (its own flash code needs more of "
+        "flash-attn than its kernels): attnguard steps aside, the load runs as it would without "
+        "attnguard (its error is transformers' own)",
+        f"install flash-attn for this torch and GPU, or {_SDPA}",
+    ),
+    Reason(
         "no_fallback_usable",
         ("observed",),
         "no backend of ATTNGUARD_FALLBACK is usable and supported by the model",

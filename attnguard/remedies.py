@@ -233,7 +233,24 @@ def _support_fields(cls: type, attn: Any) -> dict[str, Any]:
         why = transformers_kernels.unrecognised()
         fields["flash_path_unrecognised"] = why
         fields["flash_path_on_twins"] = not why and transformers_kernels.covers(cls)
+        fields.update(_routing_fields(cls, attn) if not why else {})
     return fields
+
+
+def _routing_fields(cls: type, attn: Any) -> dict[str, Any]:
+    """Where transformers would send this model's flash request instead, and what its attention
+    passes that the twins do not compute (:mod:`.patches.transformers_routing`)."""
+    from .patches import transformers_arguments, transformers_routing
+
+    values = attn.values() if isinstance(attn, Mapping) else [attn]
+    routed = next(
+        (r for v in values if is_flash(v) and (r := transformers_routing.routed_to(cls, v))), None
+    )
+    if routed is None:
+        return {}
+    computed = transformers_arguments.computed_arguments()
+    missed = transformers_routing.uncomputed_keywords(cls, computed)
+    return {"flash_routed_to": routed, "flash_uncomputed": tuple(missed)}
 
 
 def _flash_kernel_unusable(attn: Any) -> bool:
@@ -556,6 +573,9 @@ def _after_load(model: Any, plan: Plan | None, settings: Settings, site: str) ->
             verify(model, plan, site)
         if _on_twins(plan, settings):
             _remember_twins(model, site)
+            from .callguard import judge_model
+
+            judge_model(model)  # its attention classes' own arguments
         if settings.allows("align") and hasattr(model, "parameters"):
             from .multigpu import install_rotary_alignment
 
@@ -667,17 +687,38 @@ def _run_load(
     own kwargs (fail-open). The caller's own errors (out of memory, a missing file, a missing
     dependency of their own arguments) propagate at once, and only once.
     """
+    retry: Scope | None = None  # the gate may still fix the backend on the retry
     with _scoped(scope):
-        if new_kwargs is kwargs:
+        if new_kwargs is kwargs and not scope.twins:
             return wrapped(*args, **kwargs), False
         try:
-            return wrapped(*args, **new_kwargs), True
+            return wrapped(*args, **new_kwargs), new_kwargs is not kwargs
         except Exception as exc:
-            if not could_be_ours(exc, kwargs, new_kwargs):
+            if scope.twins and could_be_ours(exc, kwargs, new_kwargs):
+                _twins_load_failed(scope, exc)
+                retry = Scope(scope.site, scope.model, True, False)  # flash as requested
+            elif new_kwargs is kwargs or not could_be_ours(exc, kwargs, new_kwargs):
                 raise
-            report_internal_error(f"{scope.site}.remedy", exc)
-    with _scoped(None):  # the gate may still fix the backend on the retry
+            else:
+                report_internal_error(f"{scope.site}.remedy", exc)
+    with _scoped(retry):
         return wrapped(*args, **kwargs), False
+
+
+def _twins_load_failed(scope: Scope, exc: BaseException) -> None:
+    """The load on transformers' flash path with the twins failed (the model's own flash code
+    needs more of flash-attn than its kernels): step aside, and say so once. The load then runs
+    as it would without attnguard, and its error (transformers' own) is the caller's."""
+    events.emit(  # the error's type only: its text may carry the caller's paths
+        "observed",
+        site=scope.site,
+        reason_code="flash_model_unrunnable",
+        reason=f"{scope.model} did not load on transformers' flash code path with attnguard's "
+        f"SDPA twins ({type(exc).__name__}); left as is: the load runs as it would without "
+        "attnguard",
+        model=scope.model,
+        error_type=type(exc).__name__,
+    )
 
 
 def guarded_from_pretrained(
@@ -819,8 +860,9 @@ def guarded_check_and_adjust(
         # transformers' other checks for this model still run; its flash check would refuse a
         # kernel that cannot run here (or fetch one from the hub): the twins compute instead
         _call_with(wrapped, args, kwargs, "eager")
-        from .patches import transformers_kernels
+        from .patches import transformers_arguments, transformers_kernels
 
+        transformers_arguments.bind_flash_globals(type(instance))
         transformers_kernels.preload(new)
         return new
     if new is requested:
@@ -875,6 +917,9 @@ def guarded_autoset(
         building = _models_being_built()  # the classmethod is called from the model's __init__
         if building and isinstance(building[0], cls):
             _remember_twins(building[0], SITE_INIT)
+        from .patches import transformers_arguments
+
+        transformers_arguments.bind_flash_globals(cls)
         # transformers' own flash check (``_check_and_enable_flash_attn_2``) runs inside and,
         # seeing the scope, lets flash's code path stand for the SDPA twins
         with _scoped(Scope(SITE_INIT, getattr(cls, "__name__", "?"), True, True)):

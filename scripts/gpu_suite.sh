@@ -21,7 +21,9 @@
 #
 # Parts (SUITE_PARTS, default "tests multigpu bench"):
 #   tests     one pytest process per tests/gpu file (markers "gpu and not multigpu", GPU 0;
-#             SUITE_TEST_FILES names fewer files)
+#             SUITE_TEST_FILES names fewer files). test_zoo_gpu.py runs every architecture of
+#             the installed transformers guarded and unguarded over the real flash-attn in up
+#             to 8 worker processes of its own (results: zoo/zoo_gpu.json)
 #   multigpu  tests marked multigpu, both GPUs: test_ranks_gpu.py and test_packed_ranks_gpu.py
 #             (one rank per GPU) in one pytest process; test_multigpu_gpu.py and
 #             test_examples_gpu.py in another; test_call_gpu.py in a third
@@ -288,6 +290,14 @@ if sem.exists():
                 f"({'near-tie' if row['near_tie'] else 'NOT a tie'})")
             print(f"| {family} | generate row {i}: {what} | {row['scores_err']:.3g} "
                   f"| {row['bound']:.3g} | {row['ok']} |")
+zoo = base / "zoo" / "zoo_gpu.json"
+if zoo.exists():
+    data = json.loads(zoo.read_text())
+    print("\n## the model zoo with the real flash-attn, guarded vs unguarded\n")
+    print(f"{data['counts']} in {data['seconds']} s over {data['shards']} workers")
+    for m in data["models"]:
+        if m["outcome"] == "differs":
+            print(f"- {m['cls']}: {m['detail']}")
 cmp_ = base / "standin_vs_real" / "comparison.json"
 if cmp_.exists():
     data = json.loads(cmp_.read_text())

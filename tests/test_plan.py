@@ -89,6 +89,23 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         [ASIDE, PLACE, ("fp32-cast", "model_cast", "flash_needs_half")],
         (FLASH, None, "float16", "cuda:0"),
     ),
+    # --- a model whose flash request transformers routes to another kernel --------------------------
+    (
+        "CPU, routed to a sinks kernel the twins compute: twins, naming it",
+        machine(None),
+        req(flash_routed_to="kernels-community/vllm-flash-attn3"),
+        S,
+        [twins("no_cuda")],
+        (FLASH, TW, None, None),
+    ),
+    (
+        "CPU, routed, and its attention passes what the twins do not compute",
+        machine(None),
+        req(flash_routed_to="MiniMaxAI/msa", flash_uncomputed=("block_indices",)),
+        S,
+        [("flash-args-uncomputed", "observed", "flash_argument_uncomputed")],
+        (FLASH, None, None, None),
+    ),
     # --- family A / E on GPUs that run flash: nobody chose the dtype -----------------------------
     (
         "H100 fp32 no device_map",

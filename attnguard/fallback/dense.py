@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import kernels, torch_flash
+from . import attention_sinks, kernels, torch_flash
 from .masks import alibi_bias, band_mask, check_alibi, normalize_window, padded_band
 from .sdpa import BiasRows, masked_attention, sdpa
 
@@ -31,6 +31,9 @@ def flash_core(
     need_lse: bool,
     lens: tuple[Tensor, Tensor] | None = None,
     deterministic: bool = False,
+    sinks: Tensor | None = None,
+    sinks_lse: bool = False,
+    flash_allowed: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window.
 
@@ -38,7 +41,32 @@ def flash_core(
     only its first len_q[b] queries and len_k[b] keys, its mask is aligned to its own lengths
     and the output rows past len_q[b] are meaningless. ``deterministic``: flash-attn's promise
     of a bitwise-reproducible backward pass (:mod:`attnguard.fallback.kernels` says how).
+    ``sinks``: attention sinks, one logit per query head (:mod:`.attention_sinks`), computed
+    from the lse (``sinks_lse``: kept in the compute dtype, with its gradient where a backward
+    needs one; torch's flash kernel, whose lse carries none, is then not used:
+    ``flash_allowed``).
     """
+    if sinks is not None:
+        attention_sinks.check(sinks, q.shape[2])
+        grad = attention_sinks.needs_grad(sinks, q, k, v)
+        out, lse = flash_core(
+            q,
+            k,
+            v,
+            dropout_p=dropout_p,
+            softmax_scale=softmax_scale,
+            window=window,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            need_lse=True,
+            lens=lens,
+            deterministic=deterministic,
+            sinks_lse=True,
+            flash_allowed=not grad,
+        )
+        assert lse is not None
+        out, lse = attention_sinks.apply(out, lse, sinks, packed=False)
+        return out, (lse if need_lse else None)
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if k.shape[2] != v.shape[2] or k.shape[1] != v.shape[1]:
@@ -60,7 +88,8 @@ def flash_core(
     explicit = False
     if lens is None:
         route = kernels.dense(
-            flash_ok=torch_flash.can_run(
+            flash_ok=flash_allowed
+            and torch_flash.can_run(
                 q, k, v, window=torch_flash.windowed(window), deterministic=deterministic
             ),
             window=window,
@@ -127,6 +156,7 @@ def flash_core(
         dropout_p=dropout_p,
         need_lse=need_lse,
         explicit=explicit,
+        sinks_lse=sinks_lse,
     )
     return out.transpose(1, 2).contiguous(), lse
 
@@ -143,8 +173,10 @@ def flash_attn_func(
     alibi_slopes: Tensor | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    s_aux: Tensor | None = None,
 ) -> FlashResult:
-    """SDPA stand-in for ``flash_attn.flash_attn_func`` (flash-attn 2.x)."""
+    """SDPA stand-in for ``flash_attn.flash_attn_func`` (flash-attn 2.x). ``s_aux``: attention
+    sinks, one logit per query head (flash-attn 3 builds' name; :mod:`.attention_sinks`)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("flash_attn_func expects q, k, v of shape (batch, seqlen, nheads, dim)")
     check_alibi(alibi_slopes, q.shape[0], q.shape[2])
@@ -160,6 +192,7 @@ def flash_attn_func(
         alibi_slopes=alibi_slopes,
         need_lse=return_attn_probs,
         deterministic=deterministic,
+        sinks=s_aux,
     )
     if return_attn_probs:
         assert lse is not None

@@ -75,15 +75,17 @@ TABLE: tuple[Route, ...] = (
         "dense-lse-flash",
         "dense",
         "torch_flash",
-        "the LSE is asked for (return_attn_probs), no ALiBi, torch's flash kernel can run",
+        "the LSE is asked for (return_attn_probs, or attention sinks computed from it without "
+        "a backward through it), no ALiBi, torch's flash kernel can run",
         "it returns flash-attn's float32 LSE with the output, in one fused call",
     ),
     Route(
         "dense-lse",
         "dense",
         "explicit",
-        "the LSE is asked for and torch's flash kernel cannot give it (CPU, fp32, ALiBi, ...)",
-        "SDPA does not return the LSE",
+        "the LSE is asked for and torch's flash kernel cannot give it (CPU, fp32, ALiBi, ...), "
+        "or attention sinks need its gradient",
+        "SDPA does not return the LSE; torch's flash kernel's LSE carries no gradient",
     ),
     Route(
         "dense-alibi",

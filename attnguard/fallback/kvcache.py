@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels, torch_flash, triton_decode
+from . import attention_sinks, kernels, torch_flash, triton_decode
 from .dense import flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -158,6 +158,7 @@ def flash_attn_with_kvcache(
     alibi_slopes: Tensor | None = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    s_aux: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """SDPA stand-in for ``flash_attn.flash_attn_with_kvcache`` (flash-attn 2.x).
 
@@ -173,6 +174,7 @@ def flash_attn_with_kvcache(
 
     Lengths stay tensors throughout (nothing is read on the host), so this traces under
     ``torch.compile(fullgraph=True)``; an int ``cache_seqlens`` is a constant of the graph.
+    ``s_aux``: attention sinks, one logit per query head (:mod:`.attention_sinks`).
     """
     capacity = _check_kvcache_args(
         q,
@@ -205,7 +207,9 @@ def flash_attn_with_kvcache(
         and softcap <= 0
         and kernels.kvcache(decode=True) == "kvcache-decode"
         and not compiling()
+        and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
     ):
+        attention_sinks.check(s_aux, h)
         done = triton_decode.decode(
             q,
             k_cache,
@@ -215,16 +219,22 @@ def flash_attn_with_kvcache(
             cache_seqlens,
             scale=scale,
             window_left=window[0],
-            need_lse=return_softmax_lse,
+            need_lse=return_softmax_lse or s_aux is not None,
         )
         if done is not None:
-            return done if return_softmax_lse else done[0]
+            out, lse = done
+            if s_aux is not None:
+                assert lse is not None
+                out, lse = attention_sinks.apply(out, lse, s_aux, packed=False)
+            return (out, lse) if return_softmax_lse else out
         # not a call it takes, or not usable here (triton_decode.disabled()): torch's kernels
     new_kv_fits = k is None or (
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
     )
+    attention_sinks.check(s_aux, h)
     route = kernels.kvcache(
         flash_ok=new_kv_fits
+        and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
         and torch_flash.can_run(
             q, k_cache, v_cache, window=torch_flash.windowed(window), seqused=True
         ),
@@ -249,8 +259,11 @@ def flash_attn_with_kvcache(
             window=window,
             rotary_interleaved=rotary_interleaved,
             q_per_position=q_per_position,
-            need_lse=return_softmax_lse,
+            need_lse=return_softmax_lse or s_aux is not None,
         )
+        if s_aux is not None:
+            assert lse is not None
+            out, lse = attention_sinks.apply(out, lse, s_aux, packed=False)
         if return_softmax_lse:
             assert lse is not None
             return out, lse
@@ -333,6 +346,7 @@ def flash_attn_with_kvcache(
         alibi_slopes=alibi_slopes,
         need_lse=return_softmax_lse,
         lens=(len_q, len_k),
+        sinks=s_aux,
     )
     if return_softmax_lse:
         assert lse is not None

@@ -133,13 +133,16 @@ def explicit_attention(
     softcap: float,
     bias_rows: BiasRows | None,
     dropout_p: float,
+    sinks_lse: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Explicit softmax attention on (B, H, S, D) in float32 (float64 stays float64).
 
     Used where SDPA cannot express the computation (softcap) or the lse is wanted. ``keep`` is
     a bool mask broadcastable to (B, H, Sq, Sk); ``bias_rows(r0, r1, dtype)`` gives the additive
     bias of query rows [r0, r1), broadcastable to (B, H, r1 - r0, Sk). Returns (out in the
-    input dtype, float32 lse of shape (B, H, Sq) with +inf for empty rows).
+    input dtype, float32 lse of shape (B, H, Sq) with +inf for empty rows). The lse carries no
+    gradient (as flash-attn's) unless ``sinks_lse``: attention sinks are computed from it, so it
+    then stays in the compute dtype and carries its gradient where autograd is on.
     """
     b, h, sq, _ = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -163,15 +166,17 @@ def explicit_attention(
         m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
         p = torch.exp(s - m)
         denom = p.sum(dim=-1, keepdim=True)
-        p = p / denom.clamp_min(torch.finfo(cdt).tiny)
-        with torch.no_grad():
+        empty = denom.detach().squeeze(-1) == 0
+        denom = denom.clamp_min(torch.finfo(cdt).tiny)  # empty rows: no 0, nor a NaN gradient
+        p = p / denom
+        with torch.set_grad_enabled(sinks_lse and torch.is_grad_enabled()):
             lse = (m + denom.log()).squeeze(-1)
-            lse = torch.where(denom.squeeze(-1) == 0, torch.full_like(lse, math.inf), lse)
+            lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
         if dropout_p > 0:
             p = F.dropout(p, dropout_p, training=True)
         o = torch.matmul(p.reshape(b, hk, g, r1 - r0, sk), vc)
         outs.append(o.reshape(b, h, r1 - r0, v.shape[-1]))
-        lses.append(lse.float())
+        lses.append(lse if sinks_lse else lse.float())
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
@@ -188,6 +193,7 @@ def masked_attention(
     dropout_p: float,
     need_lse: bool,
     explicit: bool = False,
+    sinks_lse: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention on (B, H, S, D) with a keep-mask, its empty rows and an optional bias.
 
@@ -204,6 +210,7 @@ def masked_attention(
             softcap=softcap,
             bias_rows=bias_rows,
             dropout_p=dropout_p,
+            sinks_lse=sinks_lse,
         )
         return out, (lse if need_lse else None)
     if bias_rows is None:

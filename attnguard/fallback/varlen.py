@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import kernels, torch_flash
+from . import attention_sinks, kernels, torch_flash
 from .dense import FlashResult, flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -180,13 +180,15 @@ def flash_attn_varlen_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     block_table: Tensor | None = None,
+    s_aux: Tensor | None = None,
 ) -> FlashResult:
     """SDPA stand-in for ``flash_attn.flash_attn_varlen_func`` (flash-attn 2.x).
 
     Where torch's flash kernel can run, one call of it computes the packed rows (nothing read
     on the host). Elsewhere eager calls attend each sequence on its own (batching sequences of
     equal lengths) and under torch.compile a padded-batch formulation keeps the graph whole
-    (see ``_varlen_padded``). :mod:`attnguard.fallback.kernels` says which, and why.
+    (see ``_varlen_padded``). :mod:`attnguard.fallback.kernels` says which, and why. ``s_aux``:
+    attention sinks, one logit per query head (:mod:`.attention_sinks`).
     """
     if q.dim() != 3:
         raise ValueError("flash_attn_varlen_func expects q of shape (total_q, nheads, headdim)")
@@ -205,11 +207,14 @@ def flash_attn_varlen_func(
         "softcap": softcap,
         "need_lse": return_attn_probs,
         "deterministic": deterministic,
+        "sinks": s_aux,
     }
+    attention_sinks.check(s_aux, q.shape[1])
 
     in_graph = compiling()
     route = kernels.varlen(
-        flash_ok=torch_flash.can_run(
+        flash_ok=not attention_sinks.needs_grad(s_aux, q, k, v)
+        and torch_flash.can_run(
             q,
             k,
             v,
@@ -237,6 +242,8 @@ def flash_attn_varlen_func(
             window=normalize_window(window_size, causal, max_k),
             deterministic=deterministic,
         )
+        if s_aux is not None:
+            out, lse = attention_sinks.apply(out, lse, s_aux, packed=True)
     elif route == "varlen-compile":
         out, lse = _varlen_padded(
             q,
@@ -285,6 +292,11 @@ def _varlen_segments(
     cu_q = [int(x) for x in cu_seqlens_q.tolist()]
     cu_k = [int(x) for x in cu_seqlens_k.tolist()]
     k_lens = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_q) - 1)]
+    # flash-attn reads past the tensors here (undefined output): say so instead
+    if cu_q and cu_q[-1] > q.shape[0]:
+        raise ValueError(f"cu_seqlens_q ends at {cu_q[-1]} but q holds {q.shape[0]} tokens")
+    if cu_k and block_table is None and cu_k[-1] > k.shape[0]:
+        raise ValueError(f"cu_seqlens_k ends at {cu_k[-1]} but k holds {k.shape[0]} tokens")
 
     if block_table is None:
 

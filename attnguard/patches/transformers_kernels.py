@@ -84,6 +84,7 @@ def unrecognised() -> str:
             from . import transformers_probe
 
             _state.probe = transformers_probe.run(_state.module, _state.wiring)
+            _refresh_serving()  # the probe may have found an argument not computed
             if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
                 ledger.unpatch_all()
                 if _state.wiring.layout != GLOBALS:
@@ -276,7 +277,9 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
                 twins = False
             if not twins or unrecognised():  # the first such call runs the probe
                 return original(*args, **kwargs)
-            _announce((implementation or "flash_attention_2").split("|", 1)[-1])
+            chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
+            _announce(chosen)
+            _serving(chosen)
             kernels = _kernels_for(module)
         return tuple(kernels[role] for role in wired.returns)
 
@@ -294,6 +297,32 @@ def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
 
 
 # --- the globals layout ---------------------------------------------------------------------------
+
+
+def _computed() -> frozenset[str]:
+    from . import transformers_arguments
+
+    with _state.lock:
+        missed = getattr(_state.probe, "uncomputed", None) or {}
+        return transformers_arguments.computed_arguments(_state.wiring, set(missed))
+
+
+def _refresh_serving() -> None:
+    """What the twins compute, read again (the probe has run)."""
+    from .. import callguard
+
+    computed = _computed()
+    callguard.TWIN_ASIDE.clear()  # judged against the arguments computed before
+    for implementation in list(callguard.TWIN_ARGUMENTS):
+        callguard.TWIN_ARGUMENTS[implementation] = computed
+
+
+def _serving(implementation: str) -> None:
+    """The twins serve ``implementation``'s flash path from now on: its registry calls are
+    checked for arguments the twins would not compute (:mod:`attnguard.callguard`)."""
+    from .. import callguard
+
+    callguard.TWIN_ARGUMENTS[implementation] = _computed()
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -346,6 +375,8 @@ def _patch_globals(module: ModuleType, wired: Wiring) -> None:
                 ledger.patch(module, name, lambda _o, _g=guarded: _g)
     if bound and not vars(module).get("_flash_supports_window_size"):
         ledger.patch(module, "_flash_supports_window_size", lambda _o: True)
+    if bound:
+        _serving("flash_attention_2")
 
 
 # --- the probe's hand-in ----------------------------------------------------------------------------
@@ -359,13 +390,18 @@ def handing(kernels: dict[str, Any]) -> Iterator[None]:
     if module is None or wired is None:
         raise Unrecognised("the flash path is not patched")
     if wired.layout != GLOBALS:
+        cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
         _state.override.kernels = {**_kernels_for(module), **kernels}
         _clear_lazy_cache(module, wired)
         try:
             yield
         finally:
             _state.override.kernels = None
-            _clear_lazy_cache(module, wired)
+            for name, value in cached.items():  # what was resolved before, as it was
+                if value is _MISSING:
+                    vars(module).pop(name, None)
+                else:
+                    setattr(module, name, value)
         return
     saved = {
         n: vars(module).get(n, _MISSING)
@@ -424,8 +460,14 @@ def preload(implementation: str) -> None:
 
 def unpatch() -> None:
     """Restore every original this module replaced; the lazy cache re-resolves unguarded."""
+    from .. import callguard
+    from . import transformers_arguments
+
     ledger.unpatch_all()
+    transformers_arguments.unpatch()
     _announced.clear()
+    callguard.TWIN_ARGUMENTS.clear()
+    callguard.TWIN_ASIDE.clear()
     with _state.lock:
         module, wired = _state.module, _state.wiring
         _state.module, _state.wiring, _state.probe = None, None, None

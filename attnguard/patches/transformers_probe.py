@@ -17,7 +17,10 @@ explicit attention, no twin involved):
   across;
 * a sliding window -> the ``window_size`` the release passes is recorded (its convention, whatever
   it is, is what flash would get) and the output must honour it;
-* softcapping.
+* softcapping;
+* attention sinks (``s_aux``, one logit per head), dense and padded. A release that does not hand
+  them to the twins does not fail the probe: ``s_aux`` is then an argument the twins do not
+  compute (``Result.uncomputed``), and a model that passes it is not run on them.
 
 Every call must reach a stand-in in the role the wiring gave it, with arguments the twin takes
 (a twin has no ``**kwargs``: an argument it does not know raises), and every output must match.
@@ -50,6 +53,8 @@ class Result:
     # flash's window_size for sliding_window=w, as (left - w, right - w); None: not recorded
     window_offset: tuple[int, int] | None = None
     cases: tuple[str, ...] = field(default=())
+    # optional arguments the flash path does not get computed on the twins: argument -> why
+    uncomputed: dict[str, str] = field(default_factory=dict)
 
 
 class ProbeFailed(Exception):
@@ -68,7 +73,9 @@ class _Case:
     cu_seqlens: tuple[int, ...] = ()
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: bool = False
     expects: tuple[str, ...] = ()  # roles that must have been called
+    optional: str = ""  # the argument this case checks; its failure marks only that uncomputed
 
 
 _CASES = (
@@ -88,6 +95,8 @@ _CASES = (
     ),
     _Case("window", 1, 8, 8, sliding_window=3, expects=(FUNC,)),
     _Case("softcap", 1, 5, 5, softcap=2.0, expects=(FUNC,)),
+    _Case("sinks", 2, 6, 6, sinks=True, expects=(FUNC,), optional="s_aux"),
+    _Case("sinks_padded", 2, 6, 6, pad=(2, 0), sinks=True, expects=(VARLEN,), optional="s_aux"),
 )
 _HEADS, _KV_HEADS, _HEAD_DIM = 4, 2, 8
 
@@ -145,6 +154,8 @@ def _inputs(torch: Any, case: _Case, generator: Any) -> tuple[Any, Any, Any, Any
         kwargs["sliding_window"] = case.sliding_window
     if case.softcap is not None:
         kwargs["softcap"] = case.softcap
+    if case.sinks:
+        kwargs["s_aux"] = 2.0 * torch.randn(_HEADS, generator=generator, dtype=torch.float64)
     return q, k, v, mask, kwargs
 
 
@@ -157,51 +168,70 @@ def _window_offset(calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], w: 
 
 
 def _check(torch: Any, entry: Callable[..., Any], recorder: _Recorder) -> Result:
-    from ..registry_twin import flash_call_on_sdpa
-
     generator = torch.Generator().manual_seed(20261125)
     offset = None
+    uncomputed: dict[str, str] = {}
     for case in _CASES:
-        q, k, v, mask, kwargs = _inputs(torch, case, generator)
-        module = _module(torch, case.causal)
-        recorder.calls.clear()
+        if case.optional in uncomputed:
+            continue
         try:
-            got, _ = entry(module, q, k, v, mask, dropout=0.0, scaling=None, **kwargs)
-        except Exception as exc:
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise ProbeFailed(
-                f"its flash path raised {type(exc).__name__} ({first}) on the {case.name} case"
-            ) from exc
-        called = {role for role, _, _ in recorder.calls}
-        missing = [role for role in case.expects if role not in called]
-        if missing:
-            raise ProbeFailed(
-                f"on the {case.name} case it never called {', '.join(missing)} "
-                f"(called: {', '.join(sorted(called)) or 'nothing'})"
-            )
-        window = None
-        if case.sliding_window is not None:
-            offset = _window_offset(recorder.calls, case.sliding_window)
-            window = (case.sliding_window + offset[0], case.sliding_window + offset[1])
-        if case.position_ids and not case.cu_seqlens:
-            want_cu = [0] + [i for i, p in enumerate(case.position_ids) if i and p == 0]
-            want_cu.append(len(case.position_ids))
-            seen = [
-                kw.get("cu_seqlens_q", args[3] if len(args) > 3 else None)
-                for role, args, kw in recorder.calls
-                if role == VARLEN
-            ]
-            if not any(c is not None and c.tolist() == want_cu for c in seen):
-                raise ProbeFailed(f"packed rows did not reach the kernel as cu_seqlens {want_cu}")
-        ref, _ = flash_call_on_sdpa(module, q, k, v, mask, (), kwargs, window=window)
-        got = got.reshape(ref.shape)
-        if not torch.allclose(got, ref, atol=_ATOL, rtol=_ATOL):
-            diff = float((got - ref).abs().max())
-            raise ProbeFailed(
-                f"on the {case.name} case its flash path computed other numbers than flash's "
-                f"semantics (max difference {diff:.2e})"
-            )
-    return Result(True, "", offset, tuple(c.name for c in _CASES))
+            found = _check_case(torch, entry, recorder, case, generator)
+        except ProbeFailed as exc:
+            if not case.optional:
+                raise
+            uncomputed[case.optional] = str(exc)
+            continue
+        offset = found if found is not None else offset
+    return Result(True, "", offset, tuple(c.name for c in _CASES), uncomputed)
+
+
+def _check_case(
+    torch: Any, entry: Callable[..., Any], recorder: _Recorder, case: _Case, generator: Any
+) -> Any:
+    """One case; returns the window offset it recorded (None if it has no window)."""
+    from ..registry_twin import flash_call_on_sdpa
+
+    offset = None
+    q, k, v, mask, kwargs = _inputs(torch, case, generator)
+    module = _module(torch, case.causal)
+    recorder.calls.clear()
+    try:
+        got, _ = entry(module, q, k, v, mask, dropout=0.0, scaling=None, **kwargs)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ProbeFailed(
+            f"its flash path raised {type(exc).__name__} ({first}) on the {case.name} case"
+        ) from exc
+    called = {role for role, _, _ in recorder.calls}
+    missing = [role for role in case.expects if role not in called]
+    if missing:
+        raise ProbeFailed(
+            f"on the {case.name} case it never called {', '.join(missing)} "
+            f"(called: {', '.join(sorted(called)) or 'nothing'})"
+        )
+    window = None
+    if case.sliding_window is not None:
+        offset = _window_offset(recorder.calls, case.sliding_window)
+        window = (case.sliding_window + offset[0], case.sliding_window + offset[1])
+    if case.position_ids and not case.cu_seqlens:
+        want_cu = [0] + [i for i, p in enumerate(case.position_ids) if i and p == 0]
+        want_cu.append(len(case.position_ids))
+        seen = [
+            kw.get("cu_seqlens_q", args[3] if len(args) > 3 else None)
+            for role, args, kw in recorder.calls
+            if role == VARLEN
+        ]
+        if not any(c is not None and c.tolist() == want_cu for c in seen):
+            raise ProbeFailed(f"packed rows did not reach the kernel as cu_seqlens {want_cu}")
+    ref, _ = flash_call_on_sdpa(module, q, k, v, mask, (), kwargs, window=window)
+    got = got.reshape(ref.shape)
+    if not torch.allclose(got, ref, atol=_ATOL, rtol=_ATOL):
+        diff = float((got - ref).abs().max())
+        raise ProbeFailed(
+            f"on the {case.name} case its flash path computed other numbers than flash's "
+            f"semantics (max difference {diff:.2e})"
+        )
+    return offset
 
 
 def _registry_entry(modeling_utils: Any) -> Callable[..., Any]:

@@ -90,6 +90,11 @@ class Wiring:
     kernel_globals: tuple[str, ...] = ()
     # flash's window_size for sliding_window=w, as (left - w, right - w); None: not readable
     window_offset: tuple[int, int] | None = None
+    # the parameters of the flash path's own functions: arguments it consumes
+    path_parameters: frozenset[str] = frozenset()
+    # arguments it hands the kernel only where the kernel's signature declares one of these names
+    # (``_process_flash_attention_kwargs``' ``supports_mapping``), else drops: (argument, names)
+    conditional: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def window(self, sliding_window: int) -> tuple[int, int] | None:
         if self.window_offset is None:
@@ -265,6 +270,8 @@ def _read_lazy(module: ModuleType, lazy: Callable[..., Any]) -> Wiring:
         caches=caches,
         cached_by_presence=by_presence,
         window_offset=_window_offset(module),
+        path_parameters=_path_parameters(module),
+        conditional=_conditional(module),
     )
 
 
@@ -297,7 +304,13 @@ def _read_globals(module: ModuleType) -> Wiring:
             f"the flash path reads kernel globals attnguard does not know: {unknown}"
         )
     names = sorted(n for n in read if n in KERNEL_GLOBALS or n in PADDING_GLOBALS)
-    return Wiring(GLOBALS, kernel_globals=tuple(names), window_offset=_window_offset(module))
+    return Wiring(
+        GLOBALS,
+        kernel_globals=tuple(names),
+        window_offset=_window_offset(module),
+        path_parameters=_path_parameters(module),
+        conditional=_conditional(module),
+    )
 
 
 # --- the window convention ---------------------------------------------------------------------
@@ -345,6 +358,64 @@ def _window_offset(module: ModuleType) -> tuple[int, int] | None:
                     if left is not None and right is not None:
                         found.add((left, right))
     return found.pop() if len(found) == 1 else None
+
+
+# --- the arguments it consumes ----------------------------------------------------------------
+
+FORWARD_FUNCTION = "_flash_attention_forward"
+PROCESS_FUNCTION = "_process_flash_attention_kwargs"
+
+
+def _named_parameters(fn: Any) -> set[str]:
+    """The named parameters of ``fn`` (not ``*args`` / ``**kwargs``)."""
+    try:
+        params = inspect.signature(inspect.unwrap(fn)).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+
+def _path_parameters(module: ModuleType) -> frozenset[str]:
+    """The parameters of the flash path's own functions: every argument a call can pass them
+    that they read (anything else ends in a ``**kwargs`` they never read)."""
+    names: set[str] = set()
+    for name in (FORWARD_FUNCTION, PROCESS_FUNCTION):
+        fn = vars(module).get(name)
+        if callable(fn):
+            names |= _named_parameters(fn)
+    return frozenset(names - {"kwargs", "supports_mapping"})
+
+
+def _conditional(module: ModuleType) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The arguments the release hands the kernel only where its signature has them: the keys
+    ``_process_flash_attention_kwargs`` reads from ``supports_mapping``, traced back to the
+    argument through the release's own name maps (``dropout`` -> ``dropout_p``, ``s_aux`` ->
+    ``s_aux`` or ``learnable_sink``, ...)."""
+    process = vars(module).get(PROCESS_FUNCTION)
+    if not callable(process):
+        return ()
+    try:
+        tree = _function_tree(process)
+    except Unrecognised:
+        return ()
+    keys = {
+        node.slice.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "supports_mapping"
+        and isinstance(node.slice, ast.Constant)
+        and isinstance(node.slice.value, str)
+    }
+    renamed = vars(module).get("_hf_api_to_flash_mapping") or {}
+    alternatives = vars(module).get("_flash_api_alternative_names") or {}
+    out = []
+    for param in sorted(_named_parameters(process)):
+        names = {renamed.get(param, param), alternatives.get(param, param)}
+        found = tuple(sorted(n for n in names if n in keys))
+        if found:
+            out.append((param, found))
+    return tuple(out)
 
 
 # --- entry -------------------------------------------------------------------------------------

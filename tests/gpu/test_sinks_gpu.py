@@ -1,0 +1,134 @@
+"""Attention sinks on the GPU (the GPU half of tests/test_attention_sinks.py): no flash kernel
+with sinks is on the GPU image, so the twins are compared with a float64 reference of the same
+semantics, and a tiny GPT-OSS on transformers' flash path (twins) with the same model on eager.
+
+On a GPU the twins compute sinks from torch's flash kernel in inference (its lse gives the sink
+factor) and from explicit math where a backward pass needs the lse's gradient; both are checked,
+in bf16 and fp16, dense, packed and KV-cache decode.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from attnguard import fallback  # noqa: E402
+
+DEV = "cuda:0"
+B, S, H, HK, D = 2, 257, 8, 2, 64
+
+
+def reference(q: Any, k: Any, v: Any, sinks: Any, causal: bool = True) -> torch.Tensor:
+    q, k, v = q.double(), k.double(), v.double()
+    sq, sk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if causal:
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        s = s.masked_fill(~keep, -math.inf)
+    sink = sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def tensors(dtype: torch.dtype) -> list[torch.Tensor]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shapes = [(B, S, H, D), (B, S, HK, D), (B, S, HK, D)]
+    out = [torch.randn(s, generator=g, device=DEV, dtype=dtype) for s in shapes]
+    return [*out, torch.randn(H, generator=g, device=DEV, dtype=torch.float32)]
+
+
+def bound(want: torch.Tensor, dtype: torch.dtype) -> float:
+    return (2e-2 if dtype == torch.bfloat16 else 4e-3) * want.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_and_packed_sinks_in_inference(dtype: torch.dtype) -> None:
+    q, k, v, s = tensors(dtype)
+    with torch.no_grad():
+        out = fallback.flash_attn_func(q, k, v, causal=True, s_aux=s)
+        want = reference(q, k, v, s)
+        assert (out.double() - want).abs().max().item() <= bound(want, dtype)
+        lengths = (100, S)
+        cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=DEV)
+        packed = [torch.cat([t[0, : lengths[0]], t[1]]) for t in (q, k, v)]
+        out = fallback.flash_attn_varlen_func(*packed, cu, cu, S, S, causal=True, s_aux=s)
+        want = torch.cat(
+            [reference(q[:1, : lengths[0]], k[:1, : lengths[0]], v[:1, : lengths[0]], s)[0],
+             reference(q[1:], k[1:], v[1:], s)[0]]
+        )  # fmt: skip
+        assert (out.double() - want).abs().max().item() <= bound(want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kvcache_decode_with_sinks(dtype: torch.dtype) -> None:
+    q, k, v, s = tensors(dtype)
+    k_cache = torch.zeros(B, 512, HK, D, device=DEV, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:, : S - 1], v_cache[:, : S - 1] = k[:, : S - 1], v[:, : S - 1]
+    lens = torch.full((B,), S - 1, dtype=torch.int32, device=DEV)
+    with torch.no_grad():
+        out = fallback.flash_attn_with_kvcache(
+            q[:, -1:], k_cache, v_cache, k[:, -1:], v[:, -1:], cache_seqlens=lens, causal=True,
+            s_aux=s,
+        )  # fmt: skip
+    want = reference(q[:, -1:], k, v, s)
+    assert (out.double() - want).abs().max().item() <= bound(want, dtype)
+
+
+def test_sink_gradients_on_the_gpu() -> None:
+    q, k, v, s = (t.requires_grad_() for t in tensors(torch.bfloat16))
+    out = fallback.flash_attn_func(q, k, v, causal=True, s_aux=s)
+    g = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
+    got = torch.autograd.grad((out.float() * g).sum(), (q, k, v, s))
+    want = torch.autograd.grad((reference(q, k, v, s) * g.double()).sum(), (q, k, v, s))
+    for a, b in zip(got, want, strict=True):
+        assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item()
+
+
+def test_gpt_oss_on_the_twins_equals_eager_on_the_gpu(tmp_path: Any) -> None:
+    import transformers
+
+    import attnguard
+
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers release has no GPT-OSS")
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEV)
+    load = dict(dtype=torch.bfloat16, device_map={"": 0})
+    eager = transformers.GptOssForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", **load
+    )
+    with torch.no_grad():
+        want = eager(input_ids=ids).logits.float()
+    attnguard.activate(log="none")
+    try:
+        flash = transformers.GptOssForCausalLM.from_pretrained(
+            tmp_path, attn_implementation="flash_attention_2", **load
+        )
+        with torch.no_grad():
+            got = flash(input_ids=ids).logits.float()
+    except ImportError as exc:  # a flash-attn is installed here: transformers routes the model
+        pytest.skip(f"flash-attn is installed in this process: {exc}")
+    finally:
+        attnguard.deactivate()
+    assert (got - want).abs().max().item() <= 5e-2 * want.abs().max().item()

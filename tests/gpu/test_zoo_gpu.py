@@ -1,0 +1,75 @@
+"""The model zoo on a GPU with the real flash-attn: attnguard over a kernel that runs changes
+nothing (the GPU half of tests/test_zoo.py).
+
+Every model type of the installed transformers that declares flash support (tests/workers/zoo.py),
+built tiny and saved in bf16, is loaded with ``attn_implementation="flash_attention_2"``,
+``dtype=torch.bfloat16``, ``device_map={"": 0}`` and run on its plain, left-padded and packed
+batches, first without attnguard and then with it, in worker processes that have the real
+flash-attn 2.8.3 on their path (tests/workers/zoo_gpu_worker.py; shards in parallel so the whole
+zoo takes well under two minutes). Each built model must come out the same both ways: the same
+outputs bit for bit (within its own run-to-run spread where the model itself is not
+deterministic), or the same error -- models whose flash request transformers routes to a hub
+kernel (attention sinks) fail the same way with and without attnguard. Results go to
+$GPU_RESULTS/zoo/zoo_gpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+import gpuenv  # noqa: E402
+
+WORKER = gpuenv.WORKERS / "zoo_gpu_worker.py"
+LIMIT_S = 240  # per worker (a hung worker is a failure, not a hung suite)
+
+
+def test_guard_over_the_real_kernel_changes_no_outcome(
+    tmp_path: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    gpuenv.require()
+    shards = max(1, min(8, (os.cpu_count() or 2) // 2))
+    env = gpuenv.child_env(real=True, CUDA_VISIBLE_DEVICES="0", ZOO_THREADS="2")
+    start = time.monotonic()
+    procs = []
+    for shard in range(shards):
+        out = tmp_path / f"shard{shard}.jsonl"
+        root = tmp_path / f"models{shard}"
+        root.mkdir()
+        cmd = [gpuenv.PY, str(WORKER), str(shard), str(shards), str(out), str(root)]
+        procs.append((out, subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)))
+    errors = []
+    for out, proc in procs:
+        try:
+            _, stderr = proc.communicate(timeout=max(1, LIMIT_S - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            errors.append(f"{out.name}: over {LIMIT_S}s")
+            continue
+        if proc.returncode != 0:
+            errors.append(f"{out.name}: exit {proc.returncode}: {stderr[-2000:]}")
+    assert not errors, errors
+    lines = [json.loads(x) for out, _ in procs for x in out.read_text().splitlines()]
+    seconds = time.monotonic() - start
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line["outcome"]] = counts.get(line["outcome"], 0) + 1
+    report = {"seconds": round(seconds, 1), "shards": shards, "counts": counts, "models": lines}
+    results = gpuenv.results_dir(tmp_path_factory, "zoo") / "zoo_gpu.json"
+    results.write_text(json.dumps(report, indent=1))
+    print(f"zoo on the GPU: {counts} in {seconds:.0f}s over {shards} workers")
+    differs = [f"{x['cls']}: {x['detail']}" for x in lines if x["outcome"] == "differs"]
+    assert not differs, differs
+    assert counts.get("same", 0) >= 0.6 * len(lines), counts

@@ -1,0 +1,282 @@
+"""Attention sinks (``s_aux``: one learned logit per query head that joins each row's softmax and
+gives no value) computed by the twins, as GPT-OSS and its kin pass them to the flash path.
+
+Against a float64 reference written out here (softmax over the keys and the sink, the sink's
+column dropped): the dense, packed (varlen) and KV-cache twins, forward and backward (float64
+``gradcheck`` and the reference's own gradients), under ``torch.compile(fullgraph=True)``; then a
+tiny GPT-OSS through transformers' flash path on the twins against the same model on eager,
+logits and every parameter's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import attnguard
+from attnguard import events, fallback
+
+B, S, H, HK, D = 2, 9, 4, 2, 8
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn's semantics with sinks, float64: (B, Sq, H, D) in, (B, Sq, H, D) out."""
+    q, k, v = q.double(), k.double(), v.double()
+    sq, sk = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None] + (sk - sq)
+    j = torch.arange(sk)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    s = s.masked_fill(~keep, -math.inf)
+    sink = sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
+    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def tensors(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, S, H, D), (B, S, HK, D), (B, S, HK, D), (H,)]
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def grads(out: torch.Tensor, inputs: list[torch.Tensor], seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    cotangent = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    return list(torch.autograd.grad((out.double() * cotangent).sum(), inputs))
+
+
+CASES = {
+    "causal": {"causal": True},
+    "encoder": {"causal": False},
+    "window": {"causal": True, "window": (3, 0)},
+    "softcap": {"causal": True, "softcap": 1.5},
+}
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_dense_twin_computes_sinks(case: str, dtype: torch.dtype) -> None:
+    opts = CASES[case]
+    q, k, v, s = tensors(dtype)
+    window = opts.get("window", (-1, -1))
+    out = fallback.flash_attn_func(
+        q,
+        k,
+        v,
+        causal=opts["causal"],
+        window_size=window,
+        softcap=opts.get("softcap", 0.0),
+        s_aux=s,
+    )
+    want = reference(
+        q, k, v, s, causal=opts["causal"], window=window, softcap=opts.get("softcap", 0)
+    )
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    no_sinks = fallback.flash_attn_func(q, k, v, causal=opts["causal"], window_size=window)
+    assert (out - no_sinks).abs().max() > 1e-2, "the sinks matter here"
+    for got, ref in zip(grads(out, [q, k, v, s]), grads(want, [q, k, v, s]), strict=True):
+        torch.testing.assert_close(got, ref, atol=tol * 10, rtol=tol * 10)
+
+
+def test_dense_twin_gradcheck() -> None:
+    q, k, v, s = (t.detach()[:1, :5].clone() if t.dim() > 1 else t.detach() for t in tensors())
+    inputs = tuple(t.clone().requires_grad_() for t in (q, k, v, s))
+    assert torch.autograd.gradcheck(
+        lambda a, b, c, d: fallback.flash_attn_func(a, b, c, causal=True, s_aux=d), inputs
+    )
+
+
+LENGTHS = (3, 6)
+
+
+def packed(t: torch.Tensor) -> torch.Tensor:
+    """The first sequence of length LENGTHS[0] of row 0 and LENGTHS[1] of row 1, packed."""
+    return torch.cat([t[0, : LENGTHS[0]], t[1, : LENGTHS[1]]])
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (2, 0)])
+def test_varlen_twin_computes_sinks_per_sequence(window: tuple[int, int]) -> None:
+    q, k, v, s = tensors()
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+    out = fallback.flash_attn_varlen_func(
+        packed(q), packed(k), packed(v), cu, cu, max(LENGTHS), max(LENGTHS), causal=True,
+        window_size=window, s_aux=s,
+    )  # fmt: skip
+    want = torch.cat(
+        [
+            reference(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], s, window=window)[0]
+            for b, n in enumerate(LENGTHS)
+        ]
+    )
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+    for got, ref in zip(grads(out, [q, k, s]), grads(want, [q, k, s]), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-11, rtol=1e-11)
+
+
+def test_varlen_twin_gradcheck() -> None:
+    q, k, v, s = (t.detach() for t in tensors())
+    inputs = tuple(t.clone().requires_grad_() for t in (packed(q), packed(k), packed(v), s))
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+
+    def fn(a: Any, b: Any, c: Any, d: Any) -> Any:
+        return fallback.flash_attn_varlen_func(a, b, c, cu, cu, 6, 6, causal=True, s_aux=d)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_kvcache_twin_decodes_with_sinks() -> None:
+    """One new token against a cache of 6 (and a second sequence with 4), written in place."""
+    q, k, v, s = (t.detach() for t in tensors())
+    k_cache = torch.zeros(B, 12, HK, D, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    lens = [6, 4]
+    for b, n in enumerate(lens):
+        k_cache[b, :n], v_cache[b, :n] = k[b, :n], v[b, :n]
+    new = [q[b, n : n + 1] for b, n in enumerate(lens)]
+    out = fallback.flash_attn_with_kvcache(
+        torch.stack(new),
+        k_cache,
+        v_cache,
+        torch.stack([k[b, n : n + 1] for b, n in enumerate(lens)]),
+        torch.stack([v[b, n : n + 1] for b, n in enumerate(lens)]),
+        cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+        causal=True,
+        s_aux=s,
+    )
+    for b, n in enumerate(lens):
+        want = reference(new[b][None], k[b : b + 1, : n + 1], v[b : b + 1, : n + 1], s)
+        torch.testing.assert_close(out[b : b + 1], want, atol=1e-12, rtol=1e-12)
+
+
+def test_a_row_that_sees_no_key_gives_zeros() -> None:
+    """Only the sink is left (causal, more queries than keys: the first rows see no key, as
+    bottom-right aligned): the sink gives no value, so zeros, as without sinks."""
+    q, k, v, s = (t.detach() for t in tensors())
+    out = fallback.flash_attn_func(q[:, :6], k[:, :2], v[:, :2], causal=True, s_aux=s)
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    torch.testing.assert_close(out, reference(q[:, :6], k[:, :2], v[:, :2], s).nan_to_num())
+
+
+def test_sinks_must_be_one_per_query_head() -> None:
+    q, k, v, s = (t.detach() for t in tensors())
+    with pytest.raises(ValueError, match="one sink logit per query head"):
+        fallback.flash_attn_func(q, k, v, s_aux=s[:2])
+
+
+def test_sinks_trace_whole_under_compile() -> None:
+    """fullgraph: forward and backward of the dense and packed twins with sinks, one graph."""
+    q, k, v, s = tensors(torch.float32)
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+
+    def both(a: Any, b: Any, c: Any, d: Any) -> Any:
+        dense = fallback.flash_attn_func(a, b, c, causal=True, s_aux=d)
+        var = fallback.flash_attn_varlen_func(
+            packed(a), packed(b), packed(c), cu, cu, 6, 6, causal=True, s_aux=d
+        )
+        return dense, var
+
+    torch._dynamo.reset()
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v, s)
+    want = both(q, k, v, s)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    g_got = torch.autograd.grad(sum(t.sum() for t in got), [q, k, v, s])
+    g_want = torch.autograd.grad(sum(t.sum() for t in want), [q, k, v, s])
+    for a, b in zip(g_got, g_want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# --- through transformers ------------------------------------------------------------------------
+
+
+def _gpt_oss_config() -> Any:
+    cfg = transformers.GptOssConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        pad_token_id=0,
+    )
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip("this transformers release has no GPT-OSS")
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(_gpt_oss_config())
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(path)
+    return path
+
+
+def test_gpt_oss_on_the_flash_path_equals_eager_forward_and_backward(gpt_oss: Any) -> None:
+    """A GPT-OSS flash request where flash-attn is missing: transformers would route it to a hub
+    kernel with sinks; guarded, the twins compute the sinks. Logits and every gradient equal the
+    eager model's (which spells the sinks out), and the event names transformers' choice."""
+    attnguard.activate(log="none")
+    events.reset_counts()
+    with events.capture() as seen:
+        flash = transformers.GptOssForCausalLM.from_pretrained(
+            gpt_oss, attn_implementation="flash_attention_2"
+        )
+    attnguard.deactivate()
+    eager = transformers.GptOssForCausalLM.from_pretrained(gpt_oss, attn_implementation="eager")
+    attnguard.activate(log="none")
+    (said,) = [e for e in seen if e["event"] == "backend_fallback"]
+    assert said["rule"] == "flash-on-sdpa"
+    if getattr(transformers.GptOssForCausalLM, "_compatible_flash_implementations", None):
+        assert said["transformers_chooses"] in said["reason"]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 128, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for model in (flash, eager):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+    real = mask.bool()
+    got = flash(input_ids=ids, attention_mask=mask).logits[real]
+    want = eager(input_ids=ids, attention_mask=mask).logits[real]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    for (name, p), (_, r) in zip(flash.named_parameters(), eager.named_parameters(), strict=True):
+        assert p.grad is not None and r.grad is not None, name
+        torch.testing.assert_close(p.grad, r.grad, atol=5e-5, rtol=1e-3, msg=name)
+    sinks = flash.model.layers[0].self_attn.sinks.grad
+    assert sinks is not None and sinks.abs().max() > 1e-4, "the sinks learn"

@@ -1,0 +1,467 @@
+"""The model zoo: every architecture of the installed transformers that declares flash support,
+as a tiny model built from the class's own config.
+
+Enumerated at run time from transformers' auto mappings (so an architecture a new release adds is
+in the zoo the day it ships): for every model type, one class that declares flash support
+(``_supports_flash_attn``), the causal LM first, then the base model, then the first other head
+(encoders, vision, audio, encoder-decoder). The config is the config class's own defaults, shrunk
+where its fields allow (widths, depth, heads, experts, vocabulary), with the fields that must agree
+kept in agreement (per-layer lists follow the depth, head_dim follows the width, rope sections
+follow head_dim) and the special parameters that only matter when they bite set so they do
+(a sliding window shorter than the batch, attention sinks drawn at random).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from workers.zoo_inputs import (  # noqa: F401 (the zoo's inputs, re-exported)
+    LENGTH,
+    _int,
+    batches,
+    input_candidates,
+    main_output,
+    randomise_special,
+    run,
+)
+
+# ---- enumeration ------------------------------------------------------------------------------
+
+# mapping names in the order their classes stand for a model type
+_FIRST = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    model_type: str
+    cls_name: str
+    mapping: str  # the auto mapping it was found in (CAUSAL_LM, MODEL, ...)
+
+    @property
+    def cls(self) -> Any:
+        import transformers
+
+        return getattr(transformers, self.cls_name)
+
+
+def entries() -> list[Entry]:
+    """One flash-declaring class per model type, sorted by model type."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = [n for n in _FIRST if hasattr(modeling_auto, n)]
+    names += sorted(
+        n
+        for n in dir(modeling_auto)
+        if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES") and n not in _FIRST
+    )
+    found: dict[str, Entry] = {}
+    for name in names:
+        mapping = getattr(modeling_auto, name)
+        if not isinstance(mapping, dict):
+            continue
+        for model_type, classes in mapping.items():
+            if model_type in found:
+                continue
+            for cls_name in classes if isinstance(classes, (list, tuple)) else [classes]:
+                cls = getattr(transformers, cls_name, None)
+                if cls is not None and _declares_flash(cls):
+                    short = name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES")
+                    found[model_type] = Entry(model_type, cls_name, short)
+                    break
+    return [found[k] for k in sorted(found)]
+
+
+def _declares_flash(cls: type) -> bool:
+    for attr in ("_supports_flash_attn", "_supports_flash_attn_2"):
+        value = getattr(cls, attr, None)
+        if value is not None:
+            return bool(value)
+    return False
+
+
+# ---- tiny configs -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Sizes of one shrink; the zoo tries the smallest first, then ones closer to the defaults
+    (some architectures fix a head_dim or a rope section in their code)."""
+
+    name: str
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 8
+    ffn: int = 64
+    layers: int = 2
+    vocab: int = 256
+    mrope: bool = False
+
+    @property
+    def width(self) -> int:
+        return self.heads * self.head_dim
+
+
+PROFILES = (
+    Profile("tiny"),
+    Profile("wide", heads=4, kv_heads=2, head_dim=16, ffn=128),
+    Profile("head128", heads=2, kv_heads=1, head_dim=128, ffn=128),
+    Profile("mrope", mrope=True),  # rope sections its code defaults for a larger head_dim
+)
+WINDOW = 4  # a sliding window shorter than every test batch: it bites
+MAX_PARAMETERS = 100_000_000  # a "tiny" model above this is not tiny: CI time, disk, memory
+
+
+def _sizes(p: Profile) -> dict[str, int]:
+    w, h, hd = p.width, p.heads, p.head_dim
+    sizes = dict.fromkeys(_WIDTHS, w)
+    sizes.update(dict.fromkeys(_HEADS, h))
+    sizes.update(dict.fromkeys(_KV_HEADS, p.kv_heads))
+    sizes.update(dict.fromkeys(_HEAD_DIMS, hd))
+    sizes.update(dict.fromkeys(_LAYERS, p.layers))
+    sizes.update(dict.fromkeys(_FFNS, p.ffn))
+    sizes.update(dict.fromkeys(_HALF_FFNS, p.ffn // 2))
+    sizes.update(dict.fromkeys(_EXPERTS, 4))
+    sizes.update(dict.fromkeys(_VOCABS, p.vocab))
+    sizes.update(
+        qk_nope_head_dim=hd,
+        qk_rope_head_dim=hd,
+        qk_head_dim=2 * hd,
+        kv_lora_rank=2 * hd,
+        q_lora_rank=2 * hd,
+        rotary_dim=hd,
+        mamba_n_heads=2 * h,
+        mamba_num_heads=2 * h,
+        n_mamba_heads=2,
+        mamba_d_head=hd,
+        mamba_head_dim=hd,
+        mamba_d_state=8,
+        ssm_state_size=8,
+        mamba_chunk_size=16,
+        chunk_size=16,
+        mamba_dt_rank=8,
+        hidden_size_per_layer_input=8,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        conv_dim=w,
+        max_source_positions=16,
+        max_target_positions=64,
+        num_mel_bins=16,
+        n_group=1,
+        topk_group=1,
+        num_expert_group=1,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_nextn_predict_layers=0,
+        first_k_dense_replace=1,
+        max_window_layers=p.layers,
+        attention_hidden_size=2 * w,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+    )
+    return sizes
+
+
+_WIDTHS = (
+    "hidden_size",
+    "d_model",
+    "n_embd",
+    "embed_dim",
+    "dim",
+    "embedding_size",
+    "embedding_dim",
+    "word_embed_proj_dim",
+    "projection_dim",
+    "out_hidden_size",
+    "text_hidden_size",
+    "encoder_hidden_size",
+    "decoder_hidden_size",
+    "projector_hidden_size",
+    "output_hidden_size",
+    "pooler_output_size",
+    "audio_hidden_size",
+    "classifier_proj_size",
+    "vision_hidden_size",
+    "text_embed_dim",
+    "vision_embed_dim",
+)
+_HEADS = (
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "linear_num_value_heads",
+)
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "linear_num_key_heads")
+_HEAD_DIMS = (
+    "head_dim",
+    "kv_channels",
+    "attention_head_dim",
+    "v_head_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+_LAYERS = (
+    "num_hidden_layers",
+    "n_layer",
+    "n_layers",
+    "num_layers",
+    "encoder_layers",
+    "decoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+)
+_FFNS = (
+    "intermediate_size",
+    "ffn_dim",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+    "n_inner",
+    "d_ff",
+    "mlp_dim",
+    "ffn_hidden_size",
+    "decoder_intermediate_size",
+)
+_HALF_FFNS = (
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "expert_intermediate_size",
+)
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_VOCABS = ("vocab_size",)
+# fields whose None the model cannot take (a default config not meant to be built as it is)
+_FILL_NONE = (
+    "head_dim",
+    "vocab_size",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_experts_per_tok",
+    "n_routed_experts",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+)
+_CAPPED = {
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "num_experts_per_token": 2,
+    "moe_k": 2,
+    "moe_top_k": 2,
+}  # (not "top_k": a generation parameter in older configs)
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _is_config_dict(key: str, value: Any) -> bool:
+    return isinstance(value, dict) and ("model_type" in value or key.endswith("config"))
+
+
+def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
+    """Shrunk copy of a config dict (sub-config dicts shrunk too)."""
+    sizes = _sizes(p)
+    depth = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), None)
+    width = next((d[k] for k in _WIDTHS if _int(d.get(k))), None)
+    ffn = next((d[k] for k in _FFNS if _int(d.get(k))), None)
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if _is_config_dict(key, value):
+            out[key] = _shrink(value, p)
+        elif key in sizes and _int(value):
+            out[key] = min(value, sizes[key]) if value > 0 else value
+        elif key in sizes and value is None and key in _FILL_NONE:
+            out[key] = sizes[key]
+        elif key in _CAPPED and _int(value):
+            out[key] = min(value, _CAPPED[key])
+        elif _int(value) and width and width >= 64 and value == width:
+            out[key] = p.width  # another name for the width (groups, codebook dims, ...)
+        elif _int(value) and ffn and ffn >= 128 and value == ffn:
+            out[key] = p.ffn
+        elif isinstance(value, list) and depth and len(value) == depth and depth > p.layers:
+            out[key] = _pattern(value, p.layers)  # one entry per layer
+        elif _repeated_pattern(value, depth):  # [[["global", "local"], 12]]: one repeat
+            out[key] = [[value[0][0], max(1, p.layers // max(1, len(value[0][0])))]]
+        elif _layer_indices(key, value, depth):
+            kept = [v for v in value if v < p.layers]
+            out[key] = kept or [p.layers - 1]
+        elif isinstance(value, list) and value and all(_int(v) for v in value):
+            base = next((s for s in sizes if key.startswith(s)), None)
+            out[key] = [min(v, sizes[base]) for v in value] if base else value
+        else:
+            out[key] = value
+    _agree(d, out, p)
+    return out
+
+
+def _repeated_pattern(value: Any, depth: int | None) -> bool:
+    """Layer types given as [[pattern, repeats], ...] expanding to one per layer."""
+    if not (isinstance(value, list) and value and depth):
+        return False
+    pairs = [v for v in value if isinstance(v, list) and len(v) == 2 and _int(v[1])]
+    if len(pairs) != len(value) or not all(isinstance(v[0], list) for v in pairs):
+        return False
+    return sum(len(v[0]) * v[1] for v in pairs) == depth
+
+
+def _layer_indices(key: str, value: Any, depth: int | None) -> bool:
+    """A list of layer numbers (which layers are attention, full, global, ...)."""
+    if not (isinstance(value, list) and value and all(_int(v) for v in value) and depth):
+        return False
+    named = any(w in key for w in ("indices", "indexes", "idxs", "_ids", "layers"))
+    return named and "layer" in key or (named and max(value) < depth and "block" in key)
+
+
+def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
+    """Fields that must agree with the shrunk sizes."""
+    heads = next((before[k] for k in _HEADS if _int(before.get(k))), None)
+    for key in _KV_HEADS:  # multi-head attention (MLA, ...) stays multi-head
+        if _int(before.get(key)) and before[key] == heads:
+            d[key] = next(d[k] for k in _HEADS if _int(d.get(k)))
+    if _int(d.get("sliding_window")) and d["sliding_window"] > 0:
+        d["sliding_window"] = WINDOW
+    vocab = d.get("vocab_size")
+    for key, value in list(d.items()):
+        if key.endswith("_token_id") and _int(vocab) and _int(value) and value >= vocab:
+            d[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}.get(key, vocab - 1)
+    if _int(d.get("qk_rope_head_dim")) and _int(d.get("head_dim")):
+        d["head_dim"] = d["qk_rope_head_dim"]  # MLA: rotary over the rope part only
+    if _int(d.get("qk_nope_head_dim")) and _int(d.get("qk_head_dim")):
+        d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    if _int(d.get("patch_size")) and _int(d.get("image_size")):
+        d["image_size"] = d["patch_size"] * 4
+    tubelet = d.get("tubelet_size")  # video: [frames, height, width] per patch, or frames
+    if isinstance(tubelet, list) and len(tubelet) == 3 and _int(d.get("image_size")):
+        d["image_size"] = tubelet[1] * 4
+    if _int(d.get("num_frames")):
+        frames = tubelet[0] if isinstance(tubelet, list) and tubelet else tubelet
+        d["num_frames"] = max(2, frames if _int(frames) else 1)
+    lengths = {len(v) for v in d.values() if isinstance(v, list)}
+    for key, value in list(d.items()):  # num_spatial_layers, num_temporal_layers, ...
+        counted = key.startswith("num_") and key.endswith("_layers") and _int(value)
+        if counted and value > p.layers and value not in lengths:  # (not one per list entry)
+            d[key] = p.layers
+    if isinstance(d.get("stage_names"), list):
+        n = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), p.layers)
+        d["stage_names"] = ["stem", *(f"stage{i}" for i in range(1, n + 1))]
+        if d.get("out_features") is not None:
+            d["out_features"] = [f"stage{n}"]
+        if d.get("out_indices") is not None:
+            d["out_indices"] = [n]
+    for rope_key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(rope_key)
+        ropes = rope.values() if isinstance(rope, dict) and "rope_type" not in rope else [rope]
+        for r in ropes:
+            if isinstance(r, dict) and isinstance(r.get("mrope_section"), list):
+                head_dim = d.get("head_dim") or p.head_dim
+                r["mrope_section"] = _sections(r["mrope_section"], head_dim // 2)
+    if isinstance(d.get("per_layer_config"), dict):
+        d["per_layer_config"] = {
+            k: v for k, v in d["per_layer_config"].items() if int(k) < p.layers
+        } or None
+
+
+def _pattern(types: list[Any], n: int) -> list[Any]:
+    """The first ``n`` per-layer entries, every distinct one kept (a hybrid stays hybrid)."""
+    distinct = list(dict.fromkeys(_hashable(t) for t in types))
+    if len(distinct) > n:
+        keep = distinct[:n]
+        return [t for t in types if _hashable(t) in keep][:n] if n else []
+    head = types[:n]
+    seen = {_hashable(t) for t in head}
+    missing = [t for t in types if _hashable(t) not in seen and not seen.add(_hashable(t))]
+    return head[: n - len(missing)] + missing
+
+
+def _hashable(value: Any) -> Any:
+    return repr(value)
+
+
+def _sections(sections: list[int], total: int) -> list[int]:
+    scale = total / max(sum(sections), 1)
+    out = [max(1, int(s * scale)) for s in sections]
+    out[0] += total - sum(out)
+    return out
+
+
+def tiny_config(cls: type, profile: Profile) -> Any:
+    config_class = cls.config_class
+    d = _shrink(config_class().to_dict(), profile)
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        d.pop(key, None)
+    if profile.mrope or _uses_mrope(cls):
+        _add_mrope(d, profile)
+    return config_class.from_dict(d)
+
+
+def _uses_mrope(cls: type) -> bool:
+    """The model's code reads multimodal rope sections (with a default sized for its own
+    head_dim when the config has none)."""
+    module = inspect.getmodule(cls)
+    try:
+        return module is not None and "mrope_section" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+
+
+def _add_mrope(d: dict[str, Any], p: Profile) -> None:
+    """Rope sections that fit the shrunk head_dim, in every (sub-)config with rope parameters."""
+    for key, value in d.items():
+        if _is_config_dict(key, value):
+            _add_mrope(value, p)
+    rope = d.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_type" not in rope or "mrope_section" in rope:
+        return
+    heads = next((d[k] for k in _HEADS if _int(d.get(k))), p.heads)
+    width = next((d[k] for k in _WIDTHS if _int(d.get(k))), p.width)
+    head_dim = d.get("head_dim") if _int(d.get("head_dim")) else width // heads
+    partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0
+    rope["mrope_section"] = _sections([2, 3, 3], int(head_dim * partial) // 2)
+
+
+def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
+    """The smallest profile whose model builds and runs a plain batch on eager: the model and
+    that batch."""
+    cls = entry.cls
+    errors = []
+    for profile in PROFILES:
+        try:
+            config = tiny_config(cls, profile)
+            with torch.device("meta"):  # its size first, without drawing any weight
+                shape = cls._from_config(config, attn_implementation="eager")
+            size = sum(p.numel() for p in shape.parameters())
+            if size > MAX_PARAMETERS:  # a part this shrink does not reach (conv towers, ...)
+                errors.append(f"{profile.name}: still {size / 1e6:.0f}M parameters")
+                continue
+            torch.manual_seed(seed)
+            model = cls._from_config(config, attn_implementation="eager", torch_dtype=torch.float32)
+            prepare(model)
+        except Exception as exc:
+            errors.append(f"{profile.name}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        failed = None
+        for inputs in input_candidates(model):
+            try:
+                run(model, inputs)
+                return model, inputs
+            except Exception as exc:
+                failed = failed or exc
+        errors.append(f"{profile.name}: {type(failed).__name__}: {str(failed)[:200]}")
+    raise NotBuilt(" | ".join(dict.fromkeys(errors)))
+
+
+def prepare(model: Any) -> Any:
+    """Eval mode, and what a model needs set before it runs (its language, for models with
+    adapters per language)."""
+    model.eval()
+    languages = getattr(model.config, "languages", None)
+    if languages and callable(getattr(model, "set_default_language", None)):
+        model.set_default_language(list(languages)[0])
+    return model
+
+
+class NotBuilt(Exception):
+    pass
