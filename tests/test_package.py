@@ -163,7 +163,7 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     assert re.search(r"^below=(\S+)", CI_RUN, re.M).group(1) == support.TRANSFORMERS_BELOW
     # a full lane on the newest release, unpinned: scripts/test.sh without TRANSFORMERS_VERSION
     assert re.search(r"^\s*full_lane a newest$", CI_RUN, re.M)
-    assert '[ "$v" = newest ] && pin=()' in CI_RUN
+    assert '[ "$v" = newest ] && pin=(TEST_ZOO=all)' in CI_RUN
     pins = dict(re.findall(r'"([a-z-]+)==([\d.]+)"', TEST_SH))
     assert pins["torch"] == support.TORCH_CI
     assert pins["xformers"] in support.COMPONENTS["xformers"].tested

@@ -32,7 +32,8 @@ pytestmark = [
 import gpuenv  # noqa: E402
 
 WORKER = gpuenv.WORKERS / "zoo_gpu_worker.py"
-LIMIT_S = 240  # per worker (a hung worker is a failure, not a hung suite)
+POISONED = 3  # the worker's exit status when CUDA became unusable (zoo_gpu_worker.py)
+LIMIT_S = 300  # per worker (a hung worker is a failure, not a hung suite)
 
 
 def test_guard_over_the_real_kernel_changes_no_outcome(
@@ -40,36 +41,54 @@ def test_guard_over_the_real_kernel_changes_no_outcome(
 ) -> None:
     gpuenv.require()
     shards = max(1, min(8, (os.cpu_count() or 2) // 2))
-    env = gpuenv.child_env(real=True, CUDA_VISIBLE_DEVICES="0", ZOO_THREADS="2")
+    env = gpuenv.child_env(
+        real=True, CUDA_VISIBLE_DEVICES="0", ZOO_THREADS="2", CUDA_LAUNCH_BLOCKING="1"
+    )
     start = time.monotonic()
-    procs = []
-    for shard in range(shards):
-        out = tmp_path / f"shard{shard}.jsonl"
+    outs = [tmp_path / f"shard{shard}.jsonl" for shard in range(shards)]
+
+    def spawn(shard: int, first: int) -> subprocess.Popen[str]:
         root = tmp_path / f"models{shard}"
-        root.mkdir()
-        cmd = [gpuenv.PY, str(WORKER), str(shard), str(shards), str(out), str(root)]
-        procs.append((out, subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)))
-    errors = []
-    for out, proc in procs:
-        try:
-            _, stderr = proc.communicate(timeout=max(1, LIMIT_S - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            errors.append(f"{out.name}: over {LIMIT_S}s")
-            continue
-        if proc.returncode != 0:
-            errors.append(f"{out.name}: exit {proc.returncode}: {stderr[-2000:]}")
+        root.mkdir(exist_ok=True)
+        cmd = [gpuenv.PY, str(WORKER), str(shard), str(shards), str(outs[shard]), str(root)]
+        return subprocess.Popen([*cmd, str(first)], env=env, stderr=subprocess.PIPE, text=True)
+
+    running = {shard: spawn(shard, 0) for shard in range(shards)}
+    errors, restarts = [], 0
+    while running:
+        for shard, proc in list(running.items()):
+            try:
+                _, stderr = proc.communicate(timeout=max(1, LIMIT_S - (time.monotonic() - start)))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                errors.append(f"{outs[shard].name}: over {LIMIT_S}s")
+                del running[shard]
+                continue
+            del running[shard]
+            if proc.returncode == POISONED:  # CUDA unusable after a model: on in a fresh worker
+                restarts += 1
+                done = outs[shard].read_text().splitlines()
+                running[shard] = spawn(shard, json.loads(done[-1])["index"] + 1)
+            elif proc.returncode != 0:
+                errors.append(f"{outs[shard].name}: exit {proc.returncode}: {stderr[-2000:]}")
     assert not errors, errors
-    lines = [json.loads(x) for out, _ in procs for x in out.read_text().splitlines()]
+    lines = [json.loads(x) for out in outs for x in out.read_text().splitlines()]
     seconds = time.monotonic() - start
     counts: dict[str, int] = {}
     for line in lines:
         counts[line["outcome"]] = counts.get(line["outcome"], 0) + 1
-    report = {"seconds": round(seconds, 1), "shards": shards, "counts": counts, "models": lines}
+    report = {"seconds": round(seconds, 1), "shards": shards, "restarts": restarts,
+              "counts": counts, "models": lines}  # fmt: skip
     results = gpuenv.results_dir(tmp_path_factory, "zoo") / "zoo_gpu.json"
     results.write_text(json.dumps(report, indent=1))
-    print(f"zoo on the GPU: {counts} in {seconds:.0f}s over {shards} workers")
+    print(f"zoo on the GPU: {counts} in {seconds:.0f}s over {shards} workers, {restarts} restarts")
     differs = [f"{x['cls']}: {x['detail']}" for x in lines if x["outcome"] == "differs"]
     assert not differs, differs
+    # attnguard changes an outcome only where transformers refused the flash request at load
+    # (a sub-model without flash support): the load then runs on what the guard can run
+    remedied = [x for x in lines if x["outcome"] == "remedied"]
+    print("remedied:", [f"{x['cls']}: {x['detail'][:160]}" for x in remedied])
+    refused = [x for x in remedied if "Flash Attention" not in x["detail"]]
+    assert not refused, refused
     assert counts.get("same", 0) >= 0.6 * len(lines), counts

@@ -1,22 +1,27 @@
 """One shard of the model zoo on a GPU with the real flash-attn, guarded and unguarded, for
 tests/gpu/test_zoo_gpu.py.
 
-    python zoo_gpu_worker.py SHARD SHARDS OUT.jsonl ROOT
+    python zoo_gpu_worker.py SHARD SHARDS OUT.jsonl ROOT [START]
 
-Every SHARDS-th zoo model (tests/workers/zoo.py), from SHARD on, is built tiny on the CPU, saved
-in bf16, and loaded with ``from_pretrained(path, attn_implementation="flash_attention_2",
-dtype=torch.bfloat16, device_map={"": DEVICE})``: first every model without attnguard, then every
-model with it (``attnguard.activate()``), each run on its plain, left-padded and packed batches.
-Where flash-attn's kernel runs, attnguard must change nothing: the same outputs, bit for bit (a
-model whose own outputs differ between two unguarded runs is compared within that spread), or
-the same error. One JSON line per model: ``{"model_type", "cls", "outcome", "detail"}`` with
-outcome ``same``, ``differs`` or ``not_built``.
+Every SHARDS-th zoo model (tests/workers/zoo.py), from SHARD on (and from the START-th of those),
+is built tiny on the CPU, saved in bf16, and loaded with ``from_pretrained(path,
+attn_implementation="flash_attention_2", dtype=torch.bfloat16, device_map={"": DEVICE})``, first
+without attnguard and then with it (``attnguard.activate()``), each run on its plain, left-padded
+and packed batches. Where flash-attn's kernel runs, attnguard must change nothing: the same
+outputs, bit for bit (a model whose own outputs differ between two unguarded runs is compared
+within that spread), or the same error. One JSON line per model, appended as it is checked:
+``{"model_type", "cls", "outcome", "detail", "index", "poisoned"}`` with outcome ``same``,
+``differs``, ``remedied`` (transformers refused the load, attnguard ran the model) or
+``not_built``. A model whose own code trips a device-side assert leaves the process's CUDA
+context unusable: the worker exits with status 3 after its line (run with CUDA_LAUNCH_BLOCKING=1
+so the assert is the model's that caused it) and the test goes on in a fresh worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -29,6 +34,7 @@ import transformers  # noqa: E402
 from workers import zoo  # noqa: E402
 
 FLASH = "flash_attention_2"
+POISONED = 3  # exit status: CUDA unusable in this process, go on in a fresh one
 DEVICE = os.environ.get("ZOO_DEVICE", "cuda:0")  # "cpu": a dry run of this script
 
 
@@ -83,8 +89,68 @@ def same(a: dict[str, Any], b: dict[str, Any], noise: dict[str, float]) -> str:
     return ""
 
 
+def _poisoned(*outcomes: dict[str, Any]) -> bool:
+    """True once this process's CUDA context is unusable (a device-side assert in a model's own
+    code): every later load would fail, so the test goes on in a fresh worker."""
+    if any("CUDA error" in v for o in outcomes for v in o.values() if isinstance(v, str)):
+        return True
+    if not DEVICE.startswith("cuda"):
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:
+        return True
+    return False
+
+
+def check(entry: zoo.Entry, root: str) -> tuple[dict[str, Any], bool]:
+    """One model, unguarded then guarded: its JSON line, and whether CUDA is now unusable."""
+    import attnguard
+
+    try:
+        model, plain = zoo.build(entry)
+        zoo.randomise_special(model)
+        path = Path(root) / entry.model_type
+        model.to(torch.bfloat16).save_pretrained(path)
+        del model
+    except Exception as exc:
+        line = {"outcome": "not_built", "detail": _error(exc)[:300]}
+        return {"model_type": entry.model_type, "cls": entry.cls_name, **line}, False
+    unguarded = outcome(entry, path, plain)
+    attnguard.activate(log="none")
+    try:
+        guarded = outcome(entry, path, plain)
+    finally:
+        attnguard.deactivate()
+    poisoned = _poisoned(unguarded, guarded)
+    detail = same(unguarded, guarded, {})
+    if detail and not poisoned:  # the model's own run-to-run spread (atomics in MoE routing, ...)
+        again = outcome(entry, path, plain)
+        noise = {
+            k: _max_diff(again[k], v)
+            for k, v in unguarded.items()
+            if isinstance(v, torch.Tensor) and isinstance(again.get(k), torch.Tensor)
+        }
+        detail = same(unguarded, guarded, noise)
+        poisoned = _poisoned(again)
+    shutil.rmtree(path, ignore_errors=True)
+    if not detail:
+        result = "same"
+    elif "load" in unguarded and "load" not in guarded:
+        # transformers refused the request at load, attnguard loaded the model on what it can
+        # run: a remedy (the test checks what transformers refused), not a changed outcome
+        result, detail = "remedied", f"unguarded load: {unguarded['load']}"
+    else:
+        result = "differs"
+    line = {"model_type": entry.model_type, "cls": entry.cls_name, "outcome": result}
+    return {**line, "detail": detail}, poisoned
+
+
 def main() -> None:
+    """Checks this shard's models from START on, one JSON line each (appended as it goes); exits
+    with POISONED after a model that left CUDA unusable (the test starts a fresh worker)."""
     shard, shards, out_file, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    start = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(max(1, int(os.environ.get("ZOO_THREADS", "2"))))
@@ -92,37 +158,12 @@ def main() -> None:
 
     attnguard.deactivate()
     entries = zoo.entries()[shard::shards]
-    built: dict[str, tuple[zoo.Entry, Path, dict[str, Any]]] = {}
-    lines: list[dict[str, Any]] = []
-    for entry in entries:
-        try:
-            model, plain = zoo.build(entry)
-            zoo.randomise_special(model)
-            path = Path(root) / entry.model_type
-            model.to(torch.bfloat16).save_pretrained(path)
-            built[entry.model_type] = (entry, path, plain)
-        except Exception as exc:
-            lines.append({"model_type": entry.model_type, "cls": entry.cls_name,
-                          "outcome": "not_built", "detail": _error(exc)[:300]})  # fmt: skip
-    unguarded = {t: outcome(*built[t]) for t in built}
-    attnguard.activate(log="none")
-    guarded = {t: outcome(*built[t]) for t in built}
-    attnguard.deactivate()
-    for t, (entry, path, plain) in built.items():
-        detail = same(unguarded[t], guarded[t], {})
-        if detail:  # the model's own run-to-run spread (atomics in MoE routing, ...)
-            again = outcome(entry, path, plain)
-            noise = {
-                k: _max_diff(again[k], v)
-                for k, v in unguarded[t].items()
-                if isinstance(v, torch.Tensor) and isinstance(again.get(k), torch.Tensor)
-            }
-            detail = same(unguarded[t], guarded[t], noise)
-        lines.append({"model_type": t, "cls": entry.cls_name,
-                      "outcome": "differs" if detail else "same", "detail": detail})  # fmt: skip
-    with open(out_file, "w", encoding="utf-8") as f:
-        for line in lines:
-            f.write(json.dumps(line) + "\n")
+    for index in range(start, len(entries)):
+        line, poisoned = check(entries[index], root)
+        with open(out_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({**line, "index": index, "poisoned": poisoned}) + "\n")
+        if poisoned:
+            sys.exit(POISONED)
 
 
 if __name__ == "__main__":
