@@ -14,7 +14,8 @@ within that spread), or the same error. One JSON line per model, appended as it 
 ``differs``, ``remedied`` (transformers refused the load, attnguard ran the model) or
 ``not_built``. A model whose own code trips a device-side assert leaves the process's CUDA
 context unusable: the worker exits with status 3 after its line (run with CUDA_LAUNCH_BLOCKING=1
-so the assert is the model's that caused it) and the test goes on in a fresh worker.
+so the assert is the model's that caused it) and the test goes on in a fresh worker; where the
+unguarded run did that, the line says ``"pending"`` and the fresh worker runs the guarded half.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def same(a: dict[str, Any], b: dict[str, Any], noise: dict[str, float]) -> str:
     """ "" when ``a`` and ``b`` are the same outcome (outputs within twice the model's own
     run-to-run ``noise``, 0 for a deterministic model), else what differs."""
     if a.keys() != b.keys():
-        return f"outcomes {sorted(a)} / {sorted(b)}"
+        errors = [f"{k}: {v}" for o in (a, b) for k, v in o.items() if isinstance(v, str)]
+        return f"outcomes {sorted(a)} / {sorted(b)} ({'; '.join(errors)[:400]})"
     for name in a:
         x, y = a[name], b[name]
         if isinstance(x, str) or isinstance(y, str):
@@ -103,26 +105,37 @@ def _poisoned(*outcomes: dict[str, Any]) -> bool:
     return False
 
 
-def check(entry: zoo.Entry, root: str) -> tuple[dict[str, Any], bool]:
-    """One model, unguarded then guarded: its JSON line, and whether CUDA is now unusable."""
+def check(entry: zoo.Entry, root: str) -> tuple[dict[str, Any] | None, bool]:
+    """One model, unguarded then guarded: its JSON line (None while its guarded half waits for a
+    fresh process), and whether CUDA is now unusable. Where the unguarded run leaves CUDA
+    unusable, its outcome is kept in ROOT and the guarded half runs in the next worker."""
     import attnguard
 
-    try:
-        model, plain = zoo.build(entry)
-        zoo.randomise_special(model)
-        path = Path(root) / entry.model_type
-        model.to(torch.bfloat16).save_pretrained(path)
-        del model
-    except Exception as exc:
-        line = {"outcome": "not_built", "detail": _error(exc)[:300]}
-        return {"model_type": entry.model_type, "cls": entry.cls_name, **line}, False
-    unguarded = outcome(entry, path, plain)
+    path = Path(root) / entry.model_type
+    kept = Path(root) / f"{entry.model_type}.unguarded.pt"
+    plain: dict[str, Any] = {}
+    if kept.exists():
+        unguarded, plain = torch.load(kept, weights_only=False)
+        kept.unlink()
+    else:
+        try:
+            model, plain = zoo.build(entry)
+            zoo.randomise_special(model)
+            model.to(torch.bfloat16).save_pretrained(path)
+            del model
+        except Exception as exc:
+            line = {"outcome": "not_built", "detail": _error(exc)[:300]}
+            return {"model_type": entry.model_type, "cls": entry.cls_name, **line}, False
+        unguarded = outcome(entry, path, plain)
+        if _poisoned(unguarded):
+            torch.save((unguarded, plain), kept)
+            return None, True
     attnguard.activate(log="none")
     try:
         guarded = outcome(entry, path, plain)
     finally:
         attnguard.deactivate()
-    poisoned = _poisoned(unguarded, guarded)
+    poisoned = _poisoned(guarded)
     detail = same(unguarded, guarded, {})
     if detail and not poisoned:  # the model's own run-to-run spread (atomics in MoE routing, ...)
         again = outcome(entry, path, plain)
@@ -160,8 +173,9 @@ def main() -> None:
     entries = zoo.entries()[shard::shards]
     for index in range(start, len(entries)):
         line, poisoned = check(entries[index], root)
+        pending = {"pending": True} if line is None else line  # its guarded half: the next worker
         with open(out_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps({**line, "index": index, "poisoned": poisoned}) + "\n")
+            f.write(json.dumps({**pending, "index": index, "poisoned": poisoned}) + "\n")
         if poisoned:
             sys.exit(POISONED)
 
