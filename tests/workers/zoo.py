@@ -161,6 +161,9 @@ def _sizes(p: Profile) -> dict[str, int]:
         attention_hidden_size=2 * w,
         attn_layer_period=2,
         attn_layer_offset=1,
+        num_windows=4,  # windows per image (a square): a tiny image has few patches
+        num_windows_side=2,
+        num_queries=8,  # object queries: top-k of the (few) feature tokens of a tiny image
     )
     return sizes
 
@@ -267,9 +270,13 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
     depth = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), None)
     width = next((d[k] for k in _WIDTHS if _int(d.get(k))), None)
     ffn = next((d[k] for k in _FFNS if _int(d.get(k))), None)
+    if _is_stage_backbone(d, depth):  # its stages feed a neck sized for them: kept as they are
+        return dict(d)
     out: dict[str, Any] = {}
     for key, value in d.items():
-        if _is_config_dict(key, value):
+        if _is_config_dict(key, value) and value.get("model_type") == "timm_backbone":
+            out[key] = _without_timm(value)
+        elif _is_config_dict(key, value):
             out[key] = _shrink(value, p)
         elif key in sizes and _int(value):
             out[key] = min(value, sizes[key]) if value > 0 else value
@@ -283,6 +290,9 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = p.ffn
         elif isinstance(value, list) and depth and len(value) == depth and depth > p.layers:
             out[key] = _pattern(value, p.layers)  # one entry per layer
+            base = next((s for s in sizes if key.startswith(s)), None)  # heads per layer, ...
+            if base and all(_int(v) for v in value):
+                out[key] = [min(v, sizes[base]) for v in out[key]]
         elif _repeated_pattern(value, depth):  # [[["global", "local"], 12]]: one repeat
             out[key] = [[value[0][0], max(1, p.layers // max(1, len(value[0][0])))]]
         elif _layer_indices(key, value, depth):
@@ -290,11 +300,33 @@ def _shrink(d: dict[str, Any], p: Profile) -> dict[str, Any]:
             out[key] = kept or [p.layers - 1]
         elif isinstance(value, list) and value and all(_int(v) for v in value):
             base = next((s for s in sizes if key.startswith(s)), None)
-            out[key] = [min(v, sizes[base]) for v in value] if base else value
+            if base:
+                out[key] = [min(v, sizes[base]) for v in value]
+            elif width and width >= 64:  # per-level widths ([256, 256, 256]) follow the width
+                out[key] = [p.width if v == width else v for v in value]
+            else:
+                out[key] = value
         else:
             out[key] = value
     _agree(d, out, p)
     return out
+
+
+def _is_stage_backbone(d: dict[str, Any], depth: int | None) -> bool:
+    """A backbone whose outputs are stages (ResNet, HGNet, ...), not one per layer: the model on
+    top reads its stage widths from other fields (``encoder_in_channels``), so it is not shrunk
+    (such backbones are small)."""
+    stages = d.get("stage_names")
+    return isinstance(stages, list) and len(stages) - 1 != depth
+
+
+def _without_timm(d: dict[str, Any]) -> dict[str, Any]:
+    """A timm backbone (timm is no test dependency) becomes transformers' own ResNet with the
+    same output stages: what the model on top reads from it is the stage widths."""
+    resnet = {"model_type": "resnet", "num_channels": d.get("num_channels", 3)}
+    if isinstance(d.get("out_indices"), list):
+        resnet["out_indices"] = d["out_indices"]
+    return resnet
 
 
 def _repeated_pattern(value: Any, depth: int | None) -> bool:
@@ -333,6 +365,9 @@ def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
         d["qk_head_dim"] = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
     if _int(d.get("patch_size")) and _int(d.get("image_size")):
         d["image_size"] = d["patch_size"] * 4
+    patch, image = d.get("patch_size"), d.get("image_size")
+    if _ints(patch, 2) and _ints(image, 2):  # (height, width)
+        d["image_size"] = [patch[0] * 4, patch[1] * 4]
     tubelet = d.get("tubelet_size")  # video: [frames, height, width] per patch, or frames
     if isinstance(tubelet, list) and len(tubelet) == 3 and _int(d.get("image_size")):
         d["image_size"] = tubelet[1] * 4
@@ -344,13 +379,18 @@ def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
         counted = key.startswith("num_") and key.endswith("_layers") and _int(value)
         if counted and value > p.layers and value not in lengths:  # (not one per list entry)
             d[key] = p.layers
-    if isinstance(d.get("stage_names"), list):
-        n = next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), p.layers)
+    if isinstance(d.get("stage_names"), list):  # one stage per layer (a ViT backbone)
+        count = next((k for k in _LAYER_COUNT_KEYS if _int(d.get(k))), None)
+        n = d[count] if count else p.layers
+        outs = before.get("out_indices") or before.get("out_features") or []
+        if count and len(outs) > n:  # as many layers as outputs: a neck reads each
+            n = d[count] = len(outs)
+        last = [f"stage{i}" for i in range(n - max(1, len(outs)) + 1, n + 1)]
         d["stage_names"] = ["stem", *(f"stage{i}" for i in range(1, n + 1))]
         if d.get("out_features") is not None:
-            d["out_features"] = [f"stage{n}"]
+            d["out_features"] = last
         if d.get("out_indices") is not None:
-            d["out_indices"] = [n]
+            d["out_indices"] = [int(name.removeprefix("stage")) for name in last]
     for rope_key in ("rope_parameters", "rope_scaling"):
         rope = d.get(rope_key)
         ropes = rope.values() if isinstance(rope, dict) and "rope_type" not in rope else [rope]
@@ -358,10 +398,20 @@ def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
             if isinstance(r, dict) and isinstance(r.get("mrope_section"), list):
                 head_dim = d.get("head_dim") or p.head_dim
                 r["mrope_section"] = _sections(r["mrope_section"], head_dim // 2)
-    if isinstance(d.get("per_layer_config"), dict):
+    overrides = before.get("per_layer_config")  # {layer: {"head_dim": 512, ...}}
+    if isinstance(overrides, dict) and overrides:
+        kept = {k: v for k, v in overrides.items() if int(k) < p.layers}
+        if not kept:  # the overrides of the last layer (a global-attention layer), on the last
+            last = list(overrides)[-1]
+            kept = {type(last)(p.layers - 1): overrides[last]}
+        # shrunk like the config, and never None (a config then derives its own at load)
         d["per_layer_config"] = {
-            k: v for k, v in d["per_layer_config"].items() if int(k) < p.layers
-        } or None
+            k: _shrink(v, p) if isinstance(v, dict) else v for k, v in kept.items()
+        }
+
+
+def _ints(value: Any, n: int) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == n and all(_int(v) for v in value)
 
 
 def _pattern(types: list[Any], n: int) -> list[Any]:

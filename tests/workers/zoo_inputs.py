@@ -35,7 +35,8 @@ def _find(cfg: Any, name: str) -> Any:
     value = getattr(cfg, name, None)
     if value is not None:
         return value
-    for key in ("vision_config", "audio_config", "encoder_config", "text_config", "encoder"):
+    subs = ("vision_config", "audio_config", "encoder_config", "text_config", "encoder")
+    for key in (*subs, "backbone_config"):
         sub = getattr(cfg, key, None)
         if sub is not None and getattr(sub, name, None) is not None:
             return getattr(sub, name)
@@ -51,9 +52,11 @@ def _first_int(value: Any, default: int) -> int:
 
 
 def _image(cfg: Any, g: Any, batch: int) -> Any:
-    size = _first_int(_find(cfg, "image_size"), 32)
+    size = _find(cfg, "image_size")
+    height = _first_int(size, 32)
+    width = size[1] if isinstance(size, (list, tuple)) and len(size) == 2 else height
     channels = _first_int(_find(cfg, "num_channels"), 3)
-    return torch.randn(batch, channels, size, size, generator=g)
+    return torch.randn(batch, channels, height, _first_int(width, height), generator=g)
 
 
 def _patches(cfg: Any, g: Any) -> list[Any]:
