@@ -53,7 +53,8 @@ def _first_int(value: Any, default: int) -> int:
 
 def _image(cfg: Any, g: Any, batch: int) -> Any:
     size = _find(cfg, "image_size")
-    height = _first_int(size, 32)
+    # (a conv backbone kept whole downsamples by 32 and more)
+    height = _first_int(size, 64 if getattr(cfg, "backbone_config", None) is not None else 32)
     width = size[1] if isinstance(size, (list, tuple)) and len(size) == 2 else height
     channels = _first_int(_find(cfg, "num_channels"), 3)
     return torch.randn(batch, channels, height, _first_int(width, height), generator=g)
@@ -76,6 +77,7 @@ _MODALITIES = (
     "audio_mel",
     "input_values",
     "past_values",
+    "latents",
     "hidden_states",
 )
 
@@ -96,7 +98,14 @@ def _variants(name: str, cfg: Any, g: Any, batch: int) -> list[Any]:
             out.append(torch.randn(batch, frames, mels, generator=g))
         return out
     if name == "input_values":
-        return [torch.randn(batch, 3840, generator=g), torch.randn(batch, 1, 3840, generator=g)]
+        out = [torch.randn(batch, 3840, generator=g), torch.randn(batch, 1, 3840, generator=g)]
+        mels, frames = _find(cfg, "num_mel_bins"), _find(cfg, "max_length")
+        if _int(mels) and _int(frames) and frames <= 4096:  # a spectrogram of a fixed length
+            out.append(torch.randn(batch, frames, mels, generator=g))
+        return out
+    if name == "latents":  # an audio decoder's (batch, width, frames)
+        width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
+        return [torch.randn(batch, width, 8, generator=g)]
     if name == "past_values":
         length = _first_int(_find(cfg, "context_length"), 64)
         channels = _first_int(_find(cfg, "num_input_channels"), 1)
@@ -159,11 +168,20 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
             alone = {name: value, **_companions(params, cfg, value)}
             with_words = {**words, **alone}
             out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+    if "pixel_position_ids" in params:  # patches as rows, with their (x, y) on a 4x4 grid
+        flat = _patches(cfg, g)[0]
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
+        out.append(
+            {
+                "pixel_values": flat.expand(batch, *flat.shape).clone(),
+                "pixel_position_ids": grid.reshape(1, 16, 2).expand(batch, 16, 2).clone(),
+            }
+        )
     width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
     for name in sorted(required - {n for c in out for n in c}):  # embeddings it must be given
         if name.endswith(("_embeds", "hidden_states")):
             out.append({**words, name: torch.randn(batch, length, width, generator=g)})
-    if len(out) > 1 and not any(required <= set(c) for c in out):  # one of each, together
+    if len(out) > 1:  # one of each, together (a dual encoder needs text and images)
         merged: dict[str, Any] = {}
         for c in out:
             merged.update({k: v for k, v in c.items() if k not in merged})
