@@ -347,6 +347,17 @@ def _shrink(
     return out
 
 
+def _has_stage_backbone(d: dict[str, Any]) -> bool:
+    return any(
+        _is_config_dict(k, v) and (_is_stage_backbone(v, _depth(v)) or _has_stage_backbone(v))
+        for k, v in d.items()
+    )
+
+
+def _depth(d: dict[str, Any]) -> int | None:
+    return next((d[k] for k in _LAYER_COUNT_KEYS if _int(d.get(k))), None)
+
+
 def _widens(key: str, value: Any) -> bool:
     """Widths per stage that grow (``hidden_sizes``: [256, 512, 1024, 2048])."""
     ints = isinstance(value, list) and len(value) > 1 and all(_int(v) and v > 0 for v in value)
@@ -407,6 +418,9 @@ def _agree(before: dict[str, Any], d: dict[str, Any], p: Profile) -> None:
     for key in _KV_HEADS:  # multi-head attention (MLA, ...) stays multi-head
         if _int(before.get(key)) and before[key] == heads:
             d[key] = next(d[k] for k in _HEADS if _int(d.get(k)))
+    if "num_attention_heads" in d and not any(k in before for k in _KV_HEADS):
+        # a default without the field its attention reads (as many as the heads)
+        d["num_key_value_heads"] = d["num_attention_heads"]
     if _int(d.get("sliding_window")) and d["sliding_window"] > 0:
         d["sliding_window"] = WINDOW
     text = d.get("text_config")  # (a composite's special tokens index its text vocabulary)
@@ -593,7 +607,10 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     that batch."""
     cls = entry.cls
     errors = []
+    defaults = cls.config_class().to_dict()
     for profile in PROFILES:
+        if profile.whole_backbones and not _has_stage_backbone(defaults):
+            continue  # (the same config as the first profile's)
         try:
             config = tiny_config(cls, profile)
             with torch.device("meta"):  # its size first, without drawing any weight

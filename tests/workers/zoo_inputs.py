@@ -51,6 +51,11 @@ def _first_int(value: Any, default: int) -> int:
     return value if _int(value) and value > 0 else default
 
 
+def _mel_bins(cfg: Any) -> Any:
+    names = ("num_mel_bins", "feature_size", "input_feat_size")
+    return next((v for v in (_find(cfg, n) for n in names) if v is not None), None)
+
+
 def _image(cfg: Any, g: Any, batch: int) -> Any:
     size = _find(cfg, "image_size")
     # (a conv backbone kept whole downsamples by 32 and more)
@@ -91,9 +96,10 @@ def _variants(name: str, cfg: Any, g: Any, batch: int) -> list[Any]:
         still = [_image(cfg, g, batch), video] if name == "pixel_values" else [video]
         return [*still, *_patches(cfg, g)]
     if name in ("input_features", "audio_mel"):
-        mels = _first_int(_find(cfg, "num_mel_bins") or _find(cfg, "feature_size"), 16)
+        mels = _first_int(_mel_bins(cfg), 16)
         out = []
-        for frames in (2 * _first_int(_find(cfg, "max_source_positions"), 16), 200):
+        # (8 frames per token: audio read in step with the text, one audio step per token)
+        for frames in (2 * _first_int(_find(cfg, "max_source_positions"), 16), 200, 8 * LENGTH):
             out.append(torch.randn(batch, mels, frames, generator=g))
             out.append(torch.randn(batch, frames, mels, generator=g))
         return out
@@ -125,8 +131,10 @@ def _companions(params: dict[str, Any], cfg: Any, source: Any) -> dict[str, Any]
         if "merge_sizes" in params:
             out["merge_sizes"] = torch.tensor([_first_int(_find(cfg, "spatial_merge_size"), 1)])
     for name in ("input_features_mask", "audio_mel_mask"):
-        if name in params and source is not None and source.dim() == 3:
-            out[name] = torch.ones(source.shape[0], source.shape[-1], dtype=torch.bool)
+        if name in params and source is not None and source.dim() == 3:  # over the frames
+            mels = _first_int(_mel_bins(cfg), 16)
+            frames = source.shape[-1] if source.shape[1] == mels else source.shape[1]
+            out[name] = torch.ones(source.shape[0], frames, dtype=torch.bool)
     return out
 
 
@@ -154,6 +162,9 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
     out: list[dict[str, Any]] = []
     if words and not (required - set(words)):
         out.append(dict(words))
+        if _int(codebooks) and codebooks > 1:  # or a text stream and the codebooks, per token
+            ids = torch.randint(3, vocab, (batch, length, codebooks + 1), generator=g)
+            out.append(dict(words, input_ids=ids))
     needed = [n for n in _MODALITIES if n in required]
     if len(needed) > 1:  # several inputs it cannot run without: one of each
         together: dict[str, Any] = dict(words)
@@ -167,7 +178,10 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
         for value in _variants(name, cfg, g, batch):
             alone = {name: value, **_companions(params, cfg, value)}
             with_words = {**words, **alone}
-            out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+            if not words:
+                out.append(alone)
+            else:
+                out += [with_words, alone] if "input_ids" in required else [alone, with_words]
     if "pixel_position_ids" in params:  # patches as rows, with their (x, y) on a 4x4 grid
         flat = _patches(cfg, g)[0]
         grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
@@ -178,9 +192,10 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
             }
         )
     width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
-    for name in sorted(required - {n for c in out for n in c}):  # embeddings it must be given
-        if name.endswith(("_embeds", "hidden_states")):
-            out.append({**words, name: torch.randn(batch, length, width, generator=g)})
+    given = sorted(required - {n for c in out for n in c})  # embeddings it must be given
+    given = [n for n in given if n.endswith(("_embeds", "hidden_states"))]
+    for name in given:
+        out.append({**words, name: torch.randn(batch, length, width, generator=g)})
     if len(out) > 1:  # one of each, together (a dual encoder needs text and images)
         merged: dict[str, Any] = {}
         for c in out:
