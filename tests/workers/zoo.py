@@ -7,8 +7,12 @@ in the zoo the day it ships): for every model type, one class that declares flas
 (encoders, vision, audio, encoder-decoder). The config is the config class's own defaults, shrunk
 where its fields allow (widths, depth, heads, experts, vocabulary), with the fields that must agree
 kept in agreement (per-layer lists follow the depth, head_dim follows the width, rope sections
-follow head_dim) and the special parameters that only matter when they bite set so they do
-(a sliding window shorter than the batch, attention sinks drawn at random).
+follow head_dim, a head's fields equal to its model's width follow it, stage widths keep their
+ratios wherever a neck reads them) and the special parameters that only matter when they bite
+set so they do (a sliding window shorter than the batch, attention sinks drawn at random).
+A timm backbone becomes transformers' own ResNet (timm is no test dependency); a detection model
+whose neck reads its backbone's stage widths from its own fields gets its backbone whole.
+Classes whose forward is torch's unimplemented one (generation-only wrappers) are left out.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import inspect
 from typing import Any
 
 import torch
+from workers.zoo_entries import Entry, entries  # noqa: F401 (re-exported)
 from workers.zoo_inputs import (  # noqa: F401 (the zoo's inputs, re-exported)
     LENGTH,
     _int,
@@ -27,68 +32,6 @@ from workers.zoo_inputs import (  # noqa: F401 (the zoo's inputs, re-exported)
     randomise_special,
     run,
 )
-
-# ---- enumeration ------------------------------------------------------------------------------
-
-# mapping names in the order their classes stand for a model type
-_FIRST = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    model_type: str
-    cls_name: str
-    mapping: str  # the auto mapping it was found in (CAUSAL_LM, MODEL, ...)
-
-    @property
-    def cls(self) -> Any:
-        import transformers
-
-        return getattr(transformers, self.cls_name)
-
-
-def entries() -> list[Entry]:
-    """One flash-declaring class per model type, sorted by model type."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-
-    names = [n for n in _FIRST if hasattr(modeling_auto, n)]
-    names += sorted(
-        n
-        for n in dir(modeling_auto)
-        if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES") and n not in _FIRST
-    )
-    found: dict[str, Entry] = {}
-    for name in names:
-        mapping = getattr(modeling_auto, name)
-        if not isinstance(mapping, dict):
-            continue
-        for model_type, classes in mapping.items():
-            if model_type in found:
-                continue
-            for cls_name in classes if isinstance(classes, (list, tuple)) else [classes]:
-                cls = getattr(transformers, cls_name, None)
-                if cls is not None and _declares_flash(cls) and _has_forward(cls):
-                    short = name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES")
-                    found[model_type] = Entry(model_type, cls_name, short)
-                    break
-    return [found[k] for k in sorted(found)]
-
-
-def _has_forward(cls: type) -> bool:
-    """Not a generation-only wrapper (whose forward is torch's unimplemented one: it takes no
-    forward call, flash or not; its parts are models of their own)."""
-    forward = getattr(cls, "forward", None)
-    return getattr(forward, "__name__", "") != "_forward_unimplemented"
-
-
-def _declares_flash(cls: type) -> bool:
-    for attr in ("_supports_flash_attn", "_supports_flash_attn_2"):
-        value = getattr(cls, attr, None)
-        if value is not None:
-            return bool(value)
-    return False
-
 
 # ---- tiny configs -----------------------------------------------------------------------------
 
@@ -542,8 +485,11 @@ IMAGE = 128  # the side of a large image given as (height, width), scaled down t
 def _smaller_images(d: dict[str, Any]) -> dict[str, Any]:
     """A model whose images are given as (height, width) with no patch size next to them (a
     segmentation backbone: 1024 x 1024) sees them scaled to IMAGE, and every size that follows
-    the image with them: other ``image_size`` fields, feature map sizes (``[[256, 256], ...]``)."""
+    the image with them: other ``image_size`` fields, feature map sizes (``[[256, 256], ...]``).
+    Where a patch size stands next to the image (a ViT backbone: shrunk to four patches a side
+    by ``_agree``), the feature map sizes follow it the same way."""
     sides = set()
+    patched = set()  # (image side, its side when shrunk)
 
     def find(x: dict[str, Any]) -> None:
         for key, value in x.items():
@@ -551,12 +497,19 @@ def _smaller_images(d: dict[str, Any]) -> dict[str, Any]:
                 find(value)
             elif key == "image_size" and _ints(value, 2) and "patch_size" not in x:
                 sides.add(value[0])
+            elif key == "image_size" and _int(value) and _int(x.get("patch_size")):
+                patched.add((value, x["patch_size"] * 4))
 
     find(d)
     side = max(sides, default=0)
-    if side < 4 * IMAGE or side % IMAGE:
+    if side >= 4 * IMAGE and not side % IMAGE:
+        factor = side // IMAGE
+    elif not sides and len(patched) == 1 and not next(iter(patched))[0] % next(iter(patched))[1]:
+        ((side, shrunk),) = patched
+        factor = side // shrunk
+        side = -1  # (image sizes are _agree's to set)
+    else:
         return d
-    factor = side // IMAGE
 
     def scale(x: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -599,7 +552,8 @@ def _add_mrope(d: dict[str, Any], p: Profile) -> None:
     width = next((d[k] for k in _WIDTHS if _int(d.get(k))), p.width)
     head_dim = d.get("head_dim") if _int(d.get("head_dim")) else width // heads
     partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor")) or 1.0
-    rope["mrope_section"] = _sections([2, 3, 3], int(head_dim * partial) // 2)
+    total = int(head_dim * partial) // 2  # (equal sections: some code pairs two of them)
+    rope["mrope_section"] = [total // 3, total // 3, total - 2 * (total // 3)]
 
 
 def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
@@ -607,7 +561,10 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
     that batch."""
     cls = entry.cls
     errors = []
-    defaults = cls.config_class().to_dict()
+    try:
+        defaults = cls.config_class().to_dict()
+    except Exception:  # (a default its own validators refuse: every profile fails the same)
+        defaults = {}
     for profile in PROFILES:
         if profile.whole_backbones and not _has_stage_backbone(defaults):
             continue  # (the same config as the first profile's)

@@ -30,16 +30,23 @@ def _forward_params(model: Any) -> dict[str, Any]:
     return dict(inspect.signature(model.forward).parameters)
 
 
-def _find(cfg: Any, name: str) -> Any:
-    """``name`` on the config or the first sub-config that has it."""
+_SUBS = ("vision_config", "audio_config", "encoder_config", "text_config", "encoder")
+
+
+def _find(cfg: Any, name: str, nested: bool = True) -> Any:
+    """``name`` on the config or the first sub-config that has it (then their backbones)."""
     value = getattr(cfg, name, None)
     if value is not None:
         return value
-    subs = ("vision_config", "audio_config", "encoder_config", "text_config", "encoder")
-    for key in (*subs, "backbone_config"):
+    for key in (*_SUBS, "backbone_config"):
         sub = getattr(cfg, key, None)
         if sub is not None and getattr(sub, name, None) is not None:
             return getattr(sub, name)
+    for key in _SUBS if nested else ():  # a vision tower's backbone (a segmentation model)
+        sub = getattr(cfg, key, None)
+        found = _find(sub, name, nested=False) if sub is not None else None
+        if found is not None:
+            return found
     return None
 
 
