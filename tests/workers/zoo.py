@@ -589,6 +589,11 @@ def build(entry: Entry, seed: int = 0) -> tuple[Any, dict[str, Any]]:
                 return model, inputs
             except Exception as exc:
                 failed = failed or exc
+        if failed is None:  # nothing the zoo makes covers what its forward requires
+            params = inspect.signature(model.forward).parameters.values()
+            needs = [p.name for p in params if p.default is p.empty and p.kind <= p.KEYWORD_ONLY]
+            errors.append(f"{profile.name}: no inputs: its forward requires {', '.join(needs)}")
+            continue
         errors.append(f"{profile.name}: {type(failed).__name__}: {str(failed)[:200]}")
     raise NotBuilt(" | ".join(dict.fromkeys(errors)))
 
