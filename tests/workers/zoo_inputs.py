@@ -30,15 +30,23 @@ def _forward_params(model: Any) -> dict[str, Any]:
     return dict(inspect.signature(model.forward).parameters)
 
 
-def _find(cfg: Any, name: str) -> Any:
-    """``name`` on the config or the first sub-config that has it."""
+_SUBS = ("vision_config", "audio_config", "encoder_config", "text_config", "encoder")
+
+
+def _find(cfg: Any, name: str, nested: bool = True) -> Any:
+    """``name`` on the config or the first sub-config that has it (then their backbones)."""
     value = getattr(cfg, name, None)
     if value is not None:
         return value
-    for key in ("vision_config", "audio_config", "encoder_config", "text_config", "encoder"):
+    for key in (*_SUBS, "backbone_config"):
         sub = getattr(cfg, key, None)
         if sub is not None and getattr(sub, name, None) is not None:
             return getattr(sub, name)
+    for key in _SUBS if nested else ():  # a vision tower's backbone (a segmentation model)
+        sub = getattr(cfg, key, None)
+        found = _find(sub, name, nested=False) if sub is not None else None
+        if found is not None:
+            return found
     return None
 
 
@@ -50,10 +58,18 @@ def _first_int(value: Any, default: int) -> int:
     return value if _int(value) and value > 0 else default
 
 
+def _mel_bins(cfg: Any) -> Any:
+    names = ("num_mel_bins", "feature_size", "input_feat_size")
+    return next((v for v in (_find(cfg, n) for n in names) if v is not None), None)
+
+
 def _image(cfg: Any, g: Any, batch: int) -> Any:
-    size = _first_int(_find(cfg, "image_size"), 32)
+    size = _find(cfg, "image_size")
+    # (a conv backbone kept whole downsamples by 32 and more)
+    height = _first_int(size, 64 if getattr(cfg, "backbone_config", None) is not None else 32)
+    width = size[1] if isinstance(size, (list, tuple)) and len(size) == 2 else height
     channels = _first_int(_find(cfg, "num_channels"), 3)
-    return torch.randn(batch, channels, size, size, generator=g)
+    return torch.randn(batch, channels, height, _first_int(width, height), generator=g)
 
 
 def _patches(cfg: Any, g: Any) -> list[Any]:
@@ -73,6 +89,7 @@ _MODALITIES = (
     "audio_mel",
     "input_values",
     "past_values",
+    "latents",
     "hidden_states",
 )
 
@@ -86,14 +103,22 @@ def _variants(name: str, cfg: Any, g: Any, batch: int) -> list[Any]:
         still = [_image(cfg, g, batch), video] if name == "pixel_values" else [video]
         return [*still, *_patches(cfg, g)]
     if name in ("input_features", "audio_mel"):
-        mels = _first_int(_find(cfg, "num_mel_bins") or _find(cfg, "feature_size"), 16)
+        mels = _first_int(_mel_bins(cfg), 16)
         out = []
-        for frames in (2 * _first_int(_find(cfg, "max_source_positions"), 16), 200):
+        # (8 frames per token: audio read in step with the text, one audio step per token)
+        for frames in (2 * _first_int(_find(cfg, "max_source_positions"), 16), 200, 8 * LENGTH):
             out.append(torch.randn(batch, mels, frames, generator=g))
             out.append(torch.randn(batch, frames, mels, generator=g))
         return out
     if name == "input_values":
-        return [torch.randn(batch, 3840, generator=g), torch.randn(batch, 1, 3840, generator=g)]
+        out = [torch.randn(batch, 3840, generator=g), torch.randn(batch, 1, 3840, generator=g)]
+        mels, frames = _find(cfg, "num_mel_bins"), _find(cfg, "max_length")
+        if _int(mels) and _int(frames) and frames <= 4096:  # a spectrogram of a fixed length
+            out.append(torch.randn(batch, frames, mels, generator=g))
+        return out
+    if name == "latents":  # an audio decoder's (batch, width, frames)
+        width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
+        return [torch.randn(batch, width, 8, generator=g)]
     if name == "past_values":
         length = _first_int(_find(cfg, "context_length"), 64)
         channels = _first_int(_find(cfg, "num_input_channels"), 1)
@@ -113,8 +138,10 @@ def _companions(params: dict[str, Any], cfg: Any, source: Any) -> dict[str, Any]
         if "merge_sizes" in params:
             out["merge_sizes"] = torch.tensor([_first_int(_find(cfg, "spatial_merge_size"), 1)])
     for name in ("input_features_mask", "audio_mel_mask"):
-        if name in params and source is not None and source.dim() == 3:
-            out[name] = torch.ones(source.shape[0], source.shape[-1], dtype=torch.bool)
+        if name in params and source is not None and source.dim() == 3:  # over the frames
+            mels = _first_int(_mel_bins(cfg), 16)
+            frames = source.shape[-1] if source.shape[1] == mels else source.shape[1]
+            out[name] = torch.ones(source.shape[0], frames, dtype=torch.bool)
     return out
 
 
@@ -142,6 +169,9 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
     out: list[dict[str, Any]] = []
     if words and not (required - set(words)):
         out.append(dict(words))
+        if _int(codebooks) and codebooks > 1:  # or a text stream and the codebooks, per token
+            ids = torch.randint(3, vocab, (batch, length, codebooks + 1), generator=g)
+            out.append(dict(words, input_ids=ids))
     needed = [n for n in _MODALITIES if n in required]
     if len(needed) > 1:  # several inputs it cannot run without: one of each
         together: dict[str, Any] = dict(words)
@@ -155,12 +185,25 @@ def input_candidates(model: Any, batch: int = 2, length: int = LENGTH) -> list[d
         for value in _variants(name, cfg, g, batch):
             alone = {name: value, **_companions(params, cfg, value)}
             with_words = {**words, **alone}
-            out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+            if not words:
+                out.append(alone)
+            else:
+                out += [with_words, alone] if "input_ids" in required else [alone, with_words]
+    if "pixel_position_ids" in params:  # patches as rows, with their (x, y) on a 4x4 grid
+        flat = _patches(cfg, g)[0]
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="xy"), -1)
+        out.append(
+            {
+                "pixel_values": flat.expand(batch, *flat.shape).clone(),
+                "pixel_position_ids": grid.reshape(1, 16, 2).expand(batch, 16, 2).clone(),
+            }
+        )
     width = _first_int(_find(cfg, "hidden_size"), WIDTH_FALLBACK)
-    for name in sorted(required - {n for c in out for n in c}):  # embeddings it must be given
-        if name.endswith(("_embeds", "hidden_states")):
-            out.append({**words, name: torch.randn(batch, length, width, generator=g)})
-    if len(out) > 1 and not any(required <= set(c) for c in out):  # one of each, together
+    given = sorted(required - {n for c in out for n in c})  # embeddings it must be given
+    given = [n for n in given if n.endswith(("_embeds", "hidden_states"))]
+    for name in given:
+        out.append({**words, name: torch.randn(batch, length, width, generator=g)})
+    if len(out) > 1:  # one of each, together (a dual encoder needs text and images)
         merged: dict[str, Any] = {}
         for c in out:
             merged.update({k: v for k, v in c.items() if k not in merged})

@@ -42,11 +42,25 @@ def _line(record: zoo_check.Record, seconds: float) -> str:
     )
 
 
+# What the first error says about why a model is not built, recognised by its text
+_REASONS = (
+    ("requires the PIL library", "a timm vision tower (timm and pillow are no test dependency)"),
+    ("requires the timm library", "a timm model (timm is no test dependency)"),
+    ("inference_session", "a video tracker: it runs on an inference session, not on a batch"),
+    ("validate_architecture", "its config's validator ties fields the shrink does not know"),
+    ("Config' object has no attribute", "its model reads a field its default config lacks"),
+    ("ignore_mismatched_sizes", "its config does not round-trip through save / load"),
+    ("M parameters", "too large when shrunk (parts its fields do not reach)"),
+)
+
+
 def _why(detail: str) -> str:
-    """The first profile's error, shortened for a table cell."""
+    """The first profile's error, shortened for a table cell, with why where it says so."""
     first = detail.split(" | ")[0]
-    first = first.split(": ", 1)[-1] if first.startswith(tuple("twhm")) else first
-    return first.replace("|", "/").replace("\n", " ")[:160]
+    first = first.split(": ", 1)[-1] if first.startswith(tuple("twhmb")) else first
+    error = first.replace("|", "/").replace("\n", " ")[:150]
+    reason = next((why for text, why in _REASONS if text in first), None)
+    return f"{reason}: {error}" if reason else error
 
 
 def markdown(records: list[zoo_check.Record], seconds: float) -> str:
@@ -109,7 +123,9 @@ def markdown(records: list[zoo_check.Record], seconds: float) -> str:
         "## Not built",
         "",
         "Built from the config class's defaults, shrunk (tests/workers/zoo.py); these did not "
-        "build or did not run a batch on eager, with the first error:",
+        "build or did not run a batch on eager, with the first error (and why, where it "
+        "says so). (Classes whose forward is torch's unimplemented one, generation-only wrappers "
+        "such as `BarkModel`, take no forward call and are not in the zoo.)",
         "",
         "| model type | class | outcome | why |",
         "|---|---|---|---|",

@@ -1,0 +1,67 @@
+"""The zoo's enumeration: one class per model type of the installed transformers that declares
+flash support, found in transformers' auto mappings at run time (tests/workers/zoo.py builds
+them)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# mapping names in the order their classes stand for a model type
+_FIRST = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    model_type: str
+    cls_name: str
+    mapping: str  # the auto mapping it was found in (CAUSAL_LM, MODEL, ...)
+
+    @property
+    def cls(self) -> Any:
+        import transformers
+
+        return getattr(transformers, self.cls_name)
+
+
+def entries() -> list[Entry]:
+    """One flash-declaring class per model type, sorted by model type."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    names = [n for n in _FIRST if hasattr(modeling_auto, n)]
+    names += sorted(
+        n
+        for n in dir(modeling_auto)
+        if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES") and n not in _FIRST
+    )
+    found: dict[str, Entry] = {}
+    for name in names:
+        mapping = getattr(modeling_auto, name)
+        if not isinstance(mapping, dict):
+            continue
+        for model_type, classes in mapping.items():
+            if model_type in found:
+                continue
+            for cls_name in classes if isinstance(classes, (list, tuple)) else [classes]:
+                cls = getattr(transformers, cls_name, None)
+                if cls is not None and _declares_flash(cls) and _has_forward(cls):
+                    short = name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES")
+                    found[model_type] = Entry(model_type, cls_name, short)
+                    break
+    return [found[k] for k in sorted(found)]
+
+
+def _has_forward(cls: type) -> bool:
+    """Not a generation-only wrapper (whose forward is torch's unimplemented one: it takes no
+    forward call, flash or not; its parts are models of their own)."""
+    forward = getattr(cls, "forward", None)
+    return getattr(forward, "__name__", "") != "_forward_unimplemented"
+
+
+def _declares_flash(cls: type) -> bool:
+    for attr in ("_supports_flash_attn", "_supports_flash_attn_2"):
+        value = getattr(cls, attr, None)
+        if value is not None:
+            return bool(value)
+    return False
