@@ -4,19 +4,19 @@ Each entry point gets a plain closure (``functools.wraps``; never a wrapt proxy,
 torch.compile). The closure runs a fast check inline, cheapest first: q/k/v dtypes and devices,
 and what the entry's kernel cannot take. Nothing wrong (the common case) -> the original runs,
 inside a ``try`` that costs nothing until it raises. Something wrong -> one slow path for every
-entry point (:func:`_slow`), where the remedies live, in this order:
+entry point (:func:`_remedy_call`), where the remedies live, in this order:
 
 * ``align``: q/k/v/mask on different devices -> the query's device (``tensors_aligned``);
 * ``unify``: q/k/v (and a float mask or bias) of mixed dtypes -> one dtype (``qkv_unified``;
   the choice is :func:`attnguard.dtypes.choose_dtype`);
 * ``cast``: float32 into a half-only flash kernel -> half for the kernel, output cast back;
 * ``reroute``: the kernel cannot take this call -> this call on the entry's SDPA twin
-  (``backend_rerouted``, counted per call; the reasons are :mod:`attnguard.routing`'s);
+  (``backend_rerouted``, counted per call; the reasons are :mod:`attnguard.kernels`'s);
 * ``recover``: a known, recoverable kernel error -> the same call re-run once on the twin, and the
   site's later calls sent straight there (``kernel_error_recovered``, then ``backend_rerouted``).
   Unknown errors propagate untouched.
 
-Which kernel computes a call, and why, is decided in :mod:`attnguard.routing`; this module only
+Which kernel computes a call, and why, is decided in :mod:`attnguard.kernels`; this module only
 applies it. Modes: fix applies remedies; warn emits the same events with ``applied=False`` and
 changes nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
 torch.compile trace nothing is emitted or latched (side effects break ``fullgraph=True``), but the
@@ -32,23 +32,22 @@ from typing import Any
 
 import torch
 
-from . import events, routing, runtime
+from . import kernels
+from ._settings import InForce
 from .config import Settings
 from .dtypes import HALF_DTYPES, cast_out, choose_dtype, half_dtype_for, module_dtype, name
 from .errors import AttnGuardError
-from .patching import OriginalCall, make_picklable
-from .patching import fail_open as _fail_open
-from .registry_twin import all_sdpa_backends, flash_call_on_sdpa, move_tensors
-from .routing import (
-    FLASH_KERNEL,
+from .failopen import OriginalCall, make_picklable
+from .failopen import fail_open as _fail_open
+from .fallback.registry import move_tensors
+from .kernels import (
     FLASH_MAX_HEAD_DIM,
     KNOWN_KERNEL_ERRORS,
-    REGISTRY_FLASH,
-    REGISTRY_OTHER,
-    REGISTRY_SDPA,
-    XFORMERS,
+    EntryKind,
+    Kernel,
     classify_kernel_error,
 )
+from .observability import events
 from .selection.buckets import SELECTED_ENTRIES
 from .selection.buckets import UNSERVED as _UNSERVED
 
@@ -57,10 +56,11 @@ __all__ = [
     "Entry",
     "classify_kernel_error",
     "decide",
+    "guard",
     "latched",
+    "note",
     "reset_latches",
     "wrap_direct",
-    "wrap_registry_entry",
 ]
 
 Tensor = torch.Tensor
@@ -73,15 +73,6 @@ _BOOL = torch.bool
 # and goes straight to the twin: a failing kernel is not retried on every call.
 latched: dict[Hashable, str] = {}
 
-# flash registry key -> the keyword arguments its flash path computes while attnguard's twins
-# serve it (set by the integration that hands the twins over): a call with another argument that
-# can carry numbers takes the slow path, where it is never dropped silently.
-TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
-# attention module type -> the arguments outside TWIN_ARGUMENTS its own code passes the flash
-# entry by name (its other keywords are threaded through **kwargs, which every implementation
-# drops alike); ANY where its code is not readable. Judged at load (or at its first eager call).
-TWIN_ASIDE: dict[type, frozenset[str]] = {}
-ANY = "*"
 
 _REMEDY_TEXT = {
     "unify": "cast q/k/v (and mask/bias) to one dtype",
@@ -95,7 +86,7 @@ _REMEDY_TEXT = {
 # --- modes, events, latches ---------------------------------------------------------------------
 
 
-def _note(event: str, site: str, reason_code: str, reason: str, **fields: Any) -> None:
+def note(event: str, site: str, reason_code: str, reason: str, **fields: Any) -> None:
     """Emit (or count) an event, except inside a torch.compile trace (no side effects there)."""
     if events.is_compiling():
         return
@@ -106,20 +97,20 @@ def _note(event: str, site: str, reason_code: str, reason: str, **fields: Any) -
 
 
 def decide(
-    remedy: str, event: str, site: str, reason_code: str, reason: str, **fields: Any
+    st: Settings, remedy: str, event: str, site: str, reason_code: str, reason: str, **fields: Any
 ) -> bool:
     """True: apply ``remedy``. False: leave the call alone (warn mode, or the remedy disabled).
 
-    Strict mode raises AttnGuardError instead. The event says whether the remedy was applied;
-    it is counted on every call and emitted the first time per (site, reason).
+    ``st``: the settings in force. Strict mode raises AttnGuardError instead. The event says
+    whether the remedy was applied; it is counted on every call and emitted the first time per
+    (site, reason).
     """
-    st = runtime.settings()
     if not st.enabled or not st.allows(remedy):
         return False
     if st.mode == "strict":
         raise AttnGuardError(reason_code, reason, _REMEDY_TEXT.get(remedy, remedy))
     apply = st.mode == "fix"
-    _note(event, site, reason_code, reason, applied=apply, **fields)
+    note(event, site, reason_code, reason, applied=apply, **fields)
     return apply
 
 
@@ -144,42 +135,6 @@ def _mask_dtype_ok(mask_dtype: torch.dtype, dtype: torch.dtype) -> bool:
 
 # --- entry points ---------------------------------------------------------------------------------
 
-# flash_attn function -> the parameters holding q/k/v-like tensors (the first holds the query)
-FLASH_TENSOR_PARAMS: dict[str, tuple[str, ...]] = {
-    "flash_attn_func": ("q", "k", "v"),
-    "flash_attn_varlen_func": ("q", "k", "v"),
-    "flash_attn_qkvpacked_func": ("qkv",),
-    "flash_attn_kvpacked_func": ("q", "kv"),
-    "flash_attn_varlen_qkvpacked_func": ("qkv",),
-    "flash_attn_varlen_kvpacked_func": ("q", "kv"),
-    "flash_attn_with_kvcache": ("q", "k_cache", "v_cache"),
-}
-XFORMERS_TENSOR_PARAMS = ("query", "key", "value")
-# where the head dimension sits in the first tensor of each flash function
-_FLASH_HEAD_DIM_AXIS = {
-    "flash_attn_func": 3,
-    "flash_attn_varlen_func": 2,
-    "flash_attn_qkvpacked_func": 4,
-    "flash_attn_kvpacked_func": 3,
-    "flash_attn_varlen_qkvpacked_func": 3,
-    "flash_attn_varlen_kvpacked_func": 2,
-    "flash_attn_with_kvcache": 3,
-}
-# tensors a flash_attn_with_kvcache call also takes that must sit on the query's device
-FLASH_KVCACHE_AUX = ("k", "v", "alibi_slopes", "cache_seqlens", "cache_batch_idx", "cache_leftpad")
-
-
-def registry_kind(name: str) -> str:
-    """How the guard treats a registry key: flash rules, sdpa rules, or dtype/device only."""
-    low = name.lower()
-    if "paged" in low:
-        return REGISTRY_OTHER  # the cache update runs inside: never re-run or reroute these
-    if "flash" in low:
-        return REGISTRY_FLASH
-    if low == "sdpa":
-        return REGISTRY_SDPA
-    return REGISTRY_OTHER
-
 
 class Entry:
     """What the guard needs to know about one entry point.
@@ -187,20 +142,32 @@ class Entry:
     ``slots`` maps each argument the guard reads or replaces (the tensors, the mask or bias) to
     its (positional index, keyword name) in the entry's own calling convention, so a call is
     changed in place and re-invoked exactly as the caller made it.
+
+    What is specific to the library the entry point belongs to, its integration hands over
+    here: ``in_force`` (the settings in force, read at every call), ``head_axis`` (where the
+    head dimension sits in the query), ``site_for(args)`` (the event site of a call, where
+    ``site`` is per call rather than fixed), ``uncomputed(entry, site, args, kwargs)`` (the
+    error a call that passes something the twin does not compute meets without attnguard, or
+    None) and ``left_alone(entry, args)`` (said when the kernel's own error is not one the guard
+    recovers from).
     """
 
     __slots__ = (
         "aux",
         "head_axis",
+        "in_force",
         "kind",
+        "left_alone",
         "mask",
         "name",
         "original",
         "params",
         "site",
+        "site_for_call",
         "slots",
         "tensors",
         "twin",
+        "uncomputed",
     )
 
     def __init__(
@@ -213,8 +180,13 @@ class Entry:
         twin: Callable[..., Any] | None,
         mask: str | None = None,
         site: str | None = None,
+        in_force: InForce,
         positions: dict[str, int] | None = None,
         aux: tuple[str, ...] = (),
+        head_axis: int = -1,
+        site_for: Callable[[tuple[Any, ...]], str] | None = None,
+        uncomputed: Callable[..., BaseException | None] | None = None,
+        left_alone: Callable[[Entry, tuple[Any, ...]], None] | None = None,
     ) -> None:
         self.name = name
         self.kind = kind
@@ -223,8 +195,12 @@ class Entry:
         self.tensors = tensors
         self.mask = mask
         self.aux = aux
-        self.site = site  # None: per module type (registry entries)
-        self.head_axis = _FLASH_HEAD_DIM_AXIS.get(name, -1)
+        self.site = site  # None: per call, named by site_for (per module type for the registry)
+        self.site_for_call = site_for
+        self.in_force = in_force
+        self.head_axis = head_axis
+        self.uncomputed = uncomputed
+        self.left_alone = left_alone
         try:
             sig = inspect.signature(original)
         except (TypeError, ValueError):
@@ -239,10 +215,11 @@ class Entry:
             role: ((positions or {}).get(role, _index(self.params, role)), role) for role in roles
         }
 
-    def site_of(self, call: _Call) -> str:
-        if self.site is not None:
-            return self.site
-        return f"transformers.{self.name}:{type(call.args[0]).__name__}"
+    def site_for(self, args: tuple[Any, ...] | list[Any]) -> str:
+        """The event site of a call with these arguments."""
+        if self.site is not None or self.site_for_call is None:
+            return self.site or self.name
+        return self.site_for_call(tuple(args))
 
     def latch_key(self, args: tuple[Any, ...]) -> Hashable:
         return self.site if self.site is not None else (self.name, type(args[0]))
@@ -279,63 +256,17 @@ class _Call:
         return fn(*self.args, **self.kwargs)
 
 
-def _registry_entry(name: str, original: Callable[..., Any]) -> Entry:
-    kind = registry_kind(name)
-    twin: Callable[..., Any] | None = None
-    if kind == REGISTRY_FLASH:
-        twin = _registry_flash_twin
-    elif kind == REGISTRY_SDPA:
-        twin = functools.partial(_sdpa_every_backend, original)
-    # (module, query, key, value, attention_mask, ...): the registry's calling convention
-    positions = {"query": 1, "key": 2, "value": 3, "attention_mask": 4}
-    return Entry(
-        name,
-        kind,
-        original,
-        tensors=("query", "key", "value"),
-        twin=twin,
-        mask="attention_mask",
-        positions=positions,
-    )
-
-
-def _registry_flash_twin(
-    module: Any, query: Tensor, key: Tensor, value: Tensor, *rest: Any, **kw: Any
-) -> Any:
-    mask = rest[0] if rest else kw.pop("attention_mask", None)
-    return flash_call_on_sdpa(module, query, key, value, mask, rest, kw, window=_flash_window(kw))
-
-
-def _flash_window(kwargs: dict[str, Any]) -> tuple[int, int] | None:
-    """The flash ``window_size`` this release's flash path makes of ``sliding_window``; where
-    attnguard does not know it, the window of transformers' eager path (keys ``i - j < w``), what
-    the flash path's own warning for these calls recommends."""
-    w = kwargs.get("sliding_window")
-    if not isinstance(w, int) or w <= 0:
-        return None
-    from .patches import transformers_kernels
-
-    return transformers_kernels.flash_window(w) or (w - 1, w - 1)
-
-
-def _sdpa_every_backend(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """transformers' sdpa entry with every SDPA backend allowed again (after "No available
-    kernel" under a narrower ``sdpa_kernel`` context): the dispatcher still picks the fastest."""
-    with all_sdpa_backends():
-        return original(*args, **kwargs)
-
-
 # --- the closures ---------------------------------------------------------------------------------
 
 
-def _closure(
+def guard(
     entry: Entry, check: Callable[[tuple[Any, ...], dict[str, Any]], bool]
 ) -> Callable[..., Any]:
-    """The guarded function: ``check`` (inline, cheap) says whether the slow path is needed."""
+    """The guarded function: ``check`` (inline, cheap) says whether a remedy may be needed."""
     original = entry.original
-    rt = runtime
-    slow = functools.partial(_slow, entry=entry)
-    selectable = entry.kind == FLASH_KERNEL and entry.name in SELECTED_ENTRIES
+    in_force = entry.in_force
+    remedy = functools.partial(_remedy_call, entry=entry)
+    selectable = entry.kind == EntryKind.FLASH_KERNEL and entry.name in SELECTED_ENTRIES
     # flash_attn_func's selection signature holds every fact check() reads: a call served
     # before under fastest passed the check then and passes it now (unless a site is latched)
     presigned = selectable and entry.name == "flash_attn_func"
@@ -343,7 +274,7 @@ def _closure(
     lat = latched
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
-        settings = rt._settings
+        settings = in_force.settings
         if settings.enabled:
             fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
             faster = _UNSERVED
@@ -360,8 +291,8 @@ def _closure(
                 except Exception:
                     bad = True  # an odd input makes a check raise: the slow path, never the user
                 if bad:
-                    site = entry.site or _registry_site(entry.name, args)
-                    return _fail_open(site, original, slow, args, kwargs)
+                    site = entry.site_for(args)
+                    return _fail_open(site, original, remedy, args, kwargs)
                 faster = None
                 if fastest:
                     # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
@@ -382,91 +313,20 @@ def _closure(
             return original(*args, **kwargs)
         except Exception as exc:
             if (
-                not rt._settings.enabled
+                not in_force.settings.enabled
                 or events.is_compiling()
                 or classify_kernel_error(exc) is None
             ):
-                if entry.kind == REGISTRY_FLASH and rt._settings.enabled:
-                    _stepped_aside(entry, args)
+                if entry.left_alone is not None and in_force.settings.enabled:
+                    entry.left_alone(entry, args)
                 raise
-            site = entry.site or _registry_site(entry.name, args)
+            site = entry.site_for(args)
             recover = functools.partial(_recover, entry=entry, error=exc)
             return _fail_open(site, original, recover, args, kwargs, own_error=exc)
 
     guarded = functools.wraps(original)(attnguard_attention)
     guarded.__attnguard_original__ = original  # type: ignore[attr-defined]
     return make_picklable(guarded, original)
-
-
-def _stepped_aside(entry: Entry, args: tuple[Any, ...]) -> None:
-    """A flash registry call failed where attnguard left transformers' flash path alone because
-    it does not recognise it: say so once (the error itself is the caller's, unchanged)."""
-    try:
-        if events.is_compiling():
-            return
-        from .patches import transformers_kernels
-
-        why = transformers_kernels.stepped_aside(entry.name)
-        if why:
-            events.emit(
-                "observed",
-                site=_registry_site(entry.name, args),
-                reason_code="flash_path_unrecognised",
-                reason=f"{entry.name} call failed; left as is: {why}",
-                requested=entry.name,
-            )
-    except Exception as exc:
-        from .patching import report_internal_error
-
-        report_internal_error(f"transformers.{entry.name}", exc)
-
-
-def _uncomputed_argument_error(
-    entry: Entry, site: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> BaseException | None:
-    """A flash registry call on the twins that passes an argument the twins would not compute
-    (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
-    error the call meets without attnguard (to raise), after one event naming the argument;
-    None when every argument is computed."""
-    from .patches import transformers_arguments
-
-    aside = judge(type(args[0])) if args else frozenset({ANY})
-    names = transformers_arguments.uncomputed(kwargs, None if ANY in aside else aside)
-    if not names or len(args) < 4:
-        return None
-    error = transformers_arguments.unguarded_error(entry.name, args[1], args[2], args[3])
-    _note(
-        "observed",
-        site,
-        "flash_argument_uncomputed",
-        f"{entry.name} call passes {', '.join(names)}, which attnguard's twins of the "
-        "flash-attn kernels do not compute (transformers' flash path hands a kernel only the "
-        "arguments its signature declares and drops the rest); left as is: the call fails with "
-        f"{entry.name}'s own error ({type(error).__name__})",
-        requested=entry.name,
-        arguments=names,
-    )
-    return error
-
-
-def judge(caller: type) -> frozenset[str]:
-    """The arguments outside TWIN_ARGUMENTS that attention class ``caller`` passes by name (ANY
-    where its code is not readable), remembered for its calls (:data:`TWIN_ASIDE`)."""
-    found = TWIN_ASIDE.get(caller)
-    if found is None:
-        from .patches import transformers_arguments
-
-        named = transformers_arguments.named_uncomputed(caller)
-        found = TWIN_ASIDE[caller] = frozenset({ANY}) if named is None else named
-    return found
-
-
-def judge_model(model: Any) -> None:
-    """Judge the classes of ``model``'s modules now (at load), so that its calls are checked
-    without reading any source, under ``torch.compile`` too."""
-    for kind in {type(m) for m in model.modules()}:
-        if not kind.__module__.startswith("torch."):
-            judge(kind)
 
 
 def _faster_kernel(
@@ -487,7 +347,7 @@ def _faster_kernel(
 def _selection_failed(entry: Entry, exc: Exception) -> None:
     """The selection raised: attnguard's error, reported once; the requested kernel computes."""
     if not events.is_compiling():
-        from .patching import report_internal_error
+        from .failopen import report_internal_error
 
         report_internal_error(f"{entry.site}.select", exc)
 
@@ -522,86 +382,16 @@ def _faster_kernel_failed(
     error, reported once, and the requested kernel computes the call."""
     if events.is_compiling():
         raise exc
-    from .patching import report_internal_error
+    from .failopen import report_internal_error
 
     report_internal_error(f"{entry.site}.selected", exc)
     return entry.original(*args, **kwargs)
 
 
-def _registry_site(name: str, args: tuple[Any, ...]) -> str:
-    return f"transformers.{name}:{type(args[0]).__name__ if args else '?'}"
-
-
-def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    """A guarded closure for one attention-registry function (signature preserved).
-
-    Registry functions are called ``fn(module, query, key, value, attention_mask, ...)``. The
-    check is inlined (a helper call would cost as much as a check); devices compare as
-    ``get_device()`` integers, cheaper than ``torch.device`` objects.
-    """
-    entry = _registry_entry(name, original)
-    lat = latched
-    bf16, fp16, flash = _BF16, _FP16, entry.kind == REGISTRY_FLASH
-    twin_arguments, aside_for = TWIN_ARGUMENTS, TWIN_ASIDE
-
-    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        if len(args) < 4:
-            return False  # not a registry-shaped call: leave it alone
-        query, key, value = args[1], args[2], args[3]
-        dt = query.dtype
-        dev = query.get_device()
-        mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
-        if key.dtype is not dt or value.dtype is not dt:
-            return True
-        if key.get_device() != dev or value.get_device() != dev:
-            return True
-        if lat and (name, type(args[0])) in lat:
-            return True
-        if flash:
-            known = twin_arguments.get(name) if twin_arguments else None
-            if known is not None and not known.issuperset(kwargs):
-                aside = aside_for.get(type(args[0]))
-                if aside is None:  # not judged yet: the slow path judges (never in a trace)
-                    if not events.is_compiling() and _carries_numbers(kwargs, known):
-                        return True
-                elif aside and _carries_numbers(kwargs, known, aside):
-                    return True
-            return (
-                mask is not None
-                and (mask.get_device() != dev or mask.dim() == 4)
-                or bool(kwargs.get("output_attentions"))
-            )
-        if mask is None or not isinstance(mask, Tensor):
-            return False
-        md = mask.dtype
-        return mask.get_device() != dev or (
-            md is not dt and md is not _BOOL and md is not _FP32 and md.is_floating_point
-        )
-
-    del bf16, fp16
-    return _closure(entry, check)
-
-
-def _carries_numbers(
-    kwargs: dict[str, Any], known: frozenset[str], only: frozenset[str] | None = None
-) -> bool:
-    """An argument outside ``known`` (and, unless ``only`` holds ANY, among ``only``) that can
-    carry numbers (not None, not a bool flag)."""
-    among = None if only is None or ANY in only else only
-    return any(
-        k not in known
-        and (among is None or k in among)
-        and v is not None
-        and v is not True
-        and v is not False
-        for k, v in kwargs.items()
-    )
-
-
 def wrap_direct(entry: Entry) -> Callable[..., Any]:
     """A guarded closure for a flash_attn function or xformers' memory_efficient_attention."""
     n = len(entry.tensors)
-    flash = entry.kind == FLASH_KERNEL
+    flash = entry.kind == EntryKind.FLASH_KERNEL
     head_axis = entry.head_axis
     site = entry.site
     lat = latched
@@ -625,7 +415,7 @@ def wrap_direct(entry: Entry) -> Callable[..., Any]:
             return (dt is not bf16 and dt is not fp16) or q.shape[head_axis] > FLASH_MAX_HEAD_DIM
         return _xformers_bias_off(args, kwargs, dt, dev)
 
-    return _closure(entry, check)
+    return guard(entry, check)
 
 
 def _xformers_bias_off(
@@ -641,18 +431,23 @@ def _xformers_bias_off(
 # --- the slow path: one for every entry point ----------------------------------------------------
 
 
-def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
+def _remedy_call(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
     c = _Call(entry, args, kwargs)
-    site = entry.site_of(c)
-    if entry.kind == REGISTRY_FLASH and TWIN_ARGUMENTS.get(entry.name) is not None:
-        error = _uncomputed_argument_error(entry, site, args, kwargs)
+    site = entry.site_for(c.args)
+    settings = entry.in_force.settings
+    if entry.uncomputed is not None:
+        error = entry.uncomputed(entry, site, args, kwargs)
         if error is not None:
             call_fn.raised = error  # the call's own error without attnguard: fail_open lets it go
             raise error
     names = entry.tensors
     query = c.get(names[0])
     dev = query.device
-    registry = entry.kind in (REGISTRY_FLASH, REGISTRY_SDPA, REGISTRY_OTHER)
+    registry = entry.kind in (
+        EntryKind.REGISTRY_FLASH,
+        EntryKind.REGISTRY_SDPA,
+        EntryKind.REGISTRY_OTHER,
+    )
     mask = c.get(entry.mask) if entry.mask else None
     paged = registry and kwargs.get("cache") is not None
 
@@ -663,6 +458,7 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
         if isinstance(t := c.get(n), Tensor) and t.device != dev
     }
     if strays and decide(
+        settings,
         "align",
         "tensors_aligned",
         site,
@@ -681,8 +477,8 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
     latch_key = entry.latch_key(args)
     reason = latched.get(latch_key)
     if reason is None and not paged:
-        head_dim = query.shape[entry.head_axis] if entry.kind == FLASH_KERNEL else 0
-        reason = routing.reroute_reason(entry.kind, query, head_dim, mask, kwargs)
+        head_dim = query.shape[entry.head_axis] if entry.kind == EntryKind.FLASH_KERNEL else 0
+        reason = kernels.reroute_reason(entry.kind, query, head_dim, mask, kwargs)
 
     # (3) one dtype for q/k/v (and a float mask or bias)
     autocast_on = registry and _autocast_on(dev)
@@ -690,12 +486,15 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
     expected = None if autocast_on else wanted  # the dtype the caller's next layer takes
     ts = [c.get(n) for n in names]
     dts = tuple(t.dtype for t in ts)
-    quantized_kv = entry.kind == XFORMERS and dts[1] == dts[2] == torch.int32
+    quantized_kv = entry.kind == EntryKind.XFORMERS and dts[1] == dts[2] == torch.int32
     mixed = any(d is not dts[0] for d in dts[1:]) and not quantized_kv
-    half_only = entry.kind == FLASH_KERNEL and reason is None
+    half_only = entry.kind == EntryKind.FLASH_KERNEL and reason is None
     if mixed:
-        target = choose_dtype(dts, dev, preferred=wanted, half_only=half_only)
+        target = choose_dtype(
+            dts, dev, preferred=wanted, half_only=half_only, dtype_setting=settings.dtype
+        )
         if decide(
+            settings,
             "unify",
             "qkv_unified",
             site,
@@ -714,9 +513,10 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
         and mask.dtype.is_floating_point
         and not _mask_dtype_ok(mask.dtype, qdt)
     ):
-        code = "bias_dtype" if entry.kind == XFORMERS else "mask_dtype"
-        what = "attn_bias" if entry.kind == XFORMERS else "float attention mask"
+        code = "bias_dtype" if entry.kind == EntryKind.XFORMERS else "mask_dtype"
+        what = "attn_bias" if entry.kind == EntryKind.XFORMERS else "float attention mask"
         if decide(
+            settings,
             "unify",
             "qkv_unified",
             site,
@@ -730,11 +530,12 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
     precast = {n: c.get(n) for n in names}
     cast_back = None
     if half_only and qdt not in HALF_DTYPES:
-        if runtime.settings().fp32_policy == "fallback":
+        if settings.fp32_policy == "fallback":
             reason = "fp32_input"
         else:
-            half = half_dtype_for(dev)
+            half = half_dtype_for(dev, settings.dtype)
             if decide(
+                settings,
                 "cast",
                 "qkv_unified",
                 site,
@@ -750,17 +551,18 @@ def _slow(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any
     back = cast_back if cast_back is not None else (expected if mixed else None)
     # (5) this call on the twin
     if reason is not None and entry.twin is not None:
-        text = routing.REROUTE_REASONS.get(reason) or (
+        text = kernels.REROUTE_REASONS.get(reason) or (
             f"{entry.name} failed here before ({reason}); this call goes straight to sdpa"
         )
         if decide(
+            settings,
             "reroute",
             "backend_rerouted",
             site,
             reason,
             text,
             requested=entry.name,
-            selected="sdpa",
+            selected=Kernel.SDPA_TWIN.value,
             slower=reason == "output_attentions",
         ):
             return cast_out(c.invoke(entry.twin), back)
@@ -800,6 +602,7 @@ def _recover_call(
         raise exc
     try:
         recover = decide(
+            entry.in_force.settings,
             "recover",
             "kernel_error_recovered",
             site,
@@ -812,7 +615,7 @@ def _recover_call(
             ),
             error=first,
             requested=entry.name,
-            selected="sdpa" if entry.twin is not None else entry.name,
+            selected=Kernel.SDPA_TWIN.value if entry.twin is not None else entry.name,
         )
     except AttnGuardError as strict:
         raise strict from exc
@@ -842,7 +645,11 @@ def _recover(
     """The fast path's kernel raised a known error: recover as the slow path would."""
     c = _Call(entry, args, kwargs)
     known = classify_kernel_error(error)
-    paged = entry.kind == REGISTRY_OTHER and kwargs.get("cache") is not None
-    if known is None or paged or (entry.kind == REGISTRY_OTHER and "paged" in entry.name.lower()):
+    paged = entry.kind == EntryKind.REGISTRY_OTHER and kwargs.get("cache") is not None
+    if (
+        known is None
+        or paged
+        or (entry.kind == EntryKind.REGISTRY_OTHER and "paged" in entry.name.lower())
+    ):
         raise error
-    return _recover_call(c, entry, entry.site_of(c), entry.latch_key(args), known, error)
+    return _recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)

@@ -37,6 +37,8 @@ from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
+from ._settings import Settings
+
 # transformers attn_implementation keys we judge, plus xformers (a direct-call library)
 FLASH_BACKENDS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 BACKENDS = (*FLASH_BACKENDS, "sdpa", "flex_attention", "xformers")
@@ -196,6 +198,7 @@ class Backends(Mapping[str, "Backend"]):
 
     def __init__(self, probe: Any) -> None:
         self._probe = probe
+        self.settings: Settings | None = None  # the settings in force when last given
         self._done: dict[str, Backend] = {}
         self._lock = threading.RLock()
 
@@ -576,24 +579,23 @@ def _read_gpus() -> tuple[bool, tuple[GPU, ...]]:
         return False, ()
 
 
-def _integration_allowed(name: str) -> bool:
-    """False when ATTNGUARD_DISABLE names the library this backend's probe would import."""
+def _integration_allowed(name: str, settings: Settings | None) -> bool:
+    """False when ATTNGUARD_DISABLE (in ``settings``) names the library this backend's probe
+    would import."""
     integration = _INTEGRATION.get(name)
     if integration is None:
         return True
-    runtime = sys.modules.get("attnguard.runtime")
-    settings = runtime.settings() if runtime is not None else None
     return settings is None or settings.allows(integration)
 
 
-def _probe_backend(name: str, facts: Facts) -> Backend:
+def _probe_backend(name: str, facts: Facts, settings: Settings | None) -> Backend:
     """Judge ``name`` on this machine (the body of :class:`Backends` for the current process)."""
     if name == "sdpa":
         state = PackageState(True)
     elif name == "flex_attention":
         state = _flex_state()
     else:
-        allowed = _integration_allowed(name)
+        allowed = _integration_allowed(name, settings)
         state, _ = package_state(name)
         gpu = gpu_device = half = None
         if state.installed and allowed:
@@ -623,7 +625,7 @@ _TRUE = ("1", "true", "yes", "on")
 
 
 def launch_now(environ: Mapping[str, str] | None = None) -> Launch:
-    from .events import launch_context
+    from .observability.events import launch_context
 
     env = os.environ if environ is None else environ
     ctx = launch_context(dict(env))
@@ -736,7 +738,7 @@ def _this_machine() -> tuple[Hardware, Backends, dict[str, Any]]:
     if machine is None:
         with _lock:
             if _machine is None:
-                from .runtime import imported_version
+                from .installed import imported_version
 
                 hardware = Hardware()
                 static = {
@@ -745,17 +747,22 @@ def _this_machine() -> tuple[Hardware, Backends, dict[str, Any]]:
                     "transformers_version": imported_version("transformers", "transformers"),
                 }
                 holder: list[Facts] = []
-                backends = Backends(lambda name: _probe_backend(name, holder[0]))
+                backends = Backends(lambda name: _probe_backend(name, holder[0], backends.settings))
                 holder.append(Facts(hardware, backends, **static))
                 _machine = (hardware, backends, static)
             machine = _machine
     return machine
 
 
-def current() -> Facts:
+def current(settings: Settings | None = None) -> Facts:
     """This process's facts. Cheap: hardware and each backend are read the first time a decision
-    needs them and cached; the launch and init context are re-read on every call."""
+    needs them and cached; the launch and init context are re-read on every call.
+
+    ``settings``: the settings in force, whose ATTNGUARD_DISABLE keeps a backend's probe from
+    importing a library it names (None: as the last caller gave them; none given: every one)."""
     hardware, backends, static = _this_machine()
+    if settings is not None:
+        backends.settings = settings
     return Facts(hardware, backends, launch=launch_now(), init=init_context_now(), **static)
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from .config import Settings
 from .facts import FLASH_BACKENDS, Facts, _canonical
+from .kernels import Kernel
 
 # remedy names (as in ATTNGUARD_DISABLE)
 FALLBACK, CAST, PLACE, DEVICE_MAP = "fallback", "cast", "place", "device_map"
@@ -659,7 +660,7 @@ def _plan_backend(request: LoadRequest, facts: Facts, settings: Settings, draft:
                 FALLBACK,
                 target,
                 want,
-                "sdpa" if kernels == SDPA_TWINS else attn,
+                Kernel.SDPA_TWIN.value if kernels == SDPA_TWINS else attn,
                 change,
                 fields,
             )

@@ -323,7 +323,7 @@ def part_numerics(args: argparse.Namespace) -> list[str]:
     import torch
 
     from attnguard import fallback
-    from attnguard.fallback import kernels
+    from attnguard.fallback import routes as kernels
 
     fi = bt.real_flash()
     routes: list[str] = []

@@ -1,4 +1,4 @@
-"""The table of which torch kernel computes a twin's call (attnguard/fallback/kernels.py).
+"""The table of which torch kernel computes a twin's call (attnguard/fallback/routes.py).
 
 * every row is reachable from its route function, and each route function answers only with
   rows of its own call kind;
@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import attnguard.fallback as fb
-from attnguard.fallback import kernels, torch_flash
+from attnguard.fallback import routes as kernels
+from attnguard.fallback import torch_flash
 
 F64 = torch.float64
 

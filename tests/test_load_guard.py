@@ -32,7 +32,9 @@ from conftest import (
 from packaging.version import Version
 
 import attnguard
-from attnguard import AttnGuardError, events, facts, remedies
+from attnguard import AttnGuardError, facts
+from attnguard.integrations.transformers import remedies
+from attnguard.observability import events
 from attnguard.plan import LoadRequest, Plan, plan_load
 
 tf_version = Version(transformers.__version__)
@@ -75,16 +77,18 @@ def assert_one_fallback(evts: list[dict[str, Any]], site: str, status: facts.Bac
     (e,) = only(evts, "backend_fallback")
     assert e["site"] == site
     assert e["reason_code"] == status.reason_code
-    assert e["requested"] == FLASH and e["selected"] == "sdpa"
+    assert e["requested"] == FLASH
+    # attnguard's twins keep the flash path (flash-on-sdpa), or the model loads with sdpa
+    assert e["selected"] == ("sdpa_twin" if e["rule"] == "flash-on-sdpa" else "sdpa")
     assert e["applied"] is True
     assert status.reason in e["reason"]
 
 
 def on_twins(cls: Any) -> bool:
     """This release's SDPA twins carry ``cls``'s flash code path (else: transformers' sdpa)."""
-    from attnguard.patches import transformers_kernels
+    from attnguard.integrations.transformers import flash_path
 
-    return transformers_kernels.covers(cls)
+    return flash_path.covers(cls)
 
 
 def expected_attn(cls: Any) -> set[str]:
@@ -320,14 +324,14 @@ def test_off_and_deactivated_change_nothing(tiny_checkpoint: Any) -> None:
 
 
 def remedies_patched() -> list[str]:
-    from attnguard.patches import transformers_loading
+    from attnguard.integrations.transformers import loading as transformers_loading
 
     return [a for a, _ in transformers_loading._TARGETS if a in vars(transformers.PreTrainedModel)]
 
 
 @pytest.mark.smoke
 def test_patches_land_on_every_entry_point_and_come_off(guard: Any) -> None:
-    from attnguard.patches import transformers_loading
+    from attnguard.integrations.transformers import loading as transformers_loading
 
     patched = {r.attr for r in transformers_loading.ledger.records}
     gate = (
@@ -398,7 +402,7 @@ def test_internal_failure_is_reported_and_the_original_runs(
     assert model.config._attn_implementation == "sdpa"
     errors = only(captured, "internal_error")
     assert len(errors) == 1 and errors[0]["reason_code"] == "RuntimeError"
-    assert errors[0]["location"].startswith("attnguard/remedies.py:")
+    assert errors[0]["location"].startswith("attnguard/integrations/transformers/remedies.py:")
     assert "facts exploded" not in json.dumps(errors[0])  # the type and place, not the text
 
 
@@ -528,7 +532,7 @@ def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
 def test_an_internal_error_event_never_carries_the_exception_text(
     guard: Any, captured: list[dict[str, Any]]
 ) -> None:
-    from attnguard.patching import report_internal_error
+    from attnguard.failopen import report_internal_error
 
     try:
         {}["/home/alice/private/model-token=hf_SECRET123"]
@@ -601,7 +605,8 @@ _BROKEN_SCRIPT = textwrap.dedent(
     """
     import json, sys, tempfile, torch, transformers
     import attnguard
-    from attnguard import events, facts
+    from attnguard.observability import events
+    from attnguard import facts
     from conftest import tiny_config, tiny_inputs, tiny_model_class, logits_of
     out = {"transformers": transformers.__version__}
     status = facts.current().backend("flash_attention_2")
@@ -624,8 +629,8 @@ _BROKEN_SCRIPT = textwrap.dedent(
         real = tiny_inputs("llama")["attention_mask"].bool()  # flash leaves padding rows zero
         lg = logits_of(m, "llama")
         out["close"] = bool(torch.allclose(lg[real], ref[real], atol=2e-5, rtol=1e-4))
-        from attnguard.patches import transformers_kernels
-        on_twins = transformers_kernels.covers(type(m))
+        from attnguard.integrations.transformers import flash_path
+        on_twins = flash_path.covers(type(m))
         out["expected_attn"] = "flash_attention_2" if on_twins else "sdpa"
         out["attn"] = m.config._attn_implementation
         torch.manual_seed(0)

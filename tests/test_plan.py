@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from attnguard import doctor, events
+from attnguard import doctor
 from attnguard import facts as F
 from attnguard.config import Settings
+from attnguard.observability import events
 from attnguard.plan import TABLE, LoadRequest, Plan, plan_backend, plan_load
 
 FLASH = "flash_attention_2"

@@ -495,8 +495,8 @@ GRAD_TOL = {BF16: 3e-2, FP16: 1e-2}  # relative to max |grad| of the kernel
 
 @pytest.fixture
 def routes(monkeypatch):
-    """The kernel-table rows the twins take during a test (attnguard/fallback/kernels.py)."""
-    from attnguard.fallback import kernels
+    """The kernel-table rows the twins take during a test (attnguard/fallback/routes.py)."""
+    from attnguard.fallback import routes as kernels
 
     taken: list[str] = []
     for name in ("dense", "varlen", "kvcache", "xformers"):

@@ -139,7 +139,7 @@ def run(ns: argparse.Namespace) -> int:
         seen: list[dict[str, Any]] = []
         if ns.guarded:
             import attnguard  # noqa: F401  (first: importing activates the guard)
-            from attnguard import events
+            from attnguard.observability import events
 
             seen = stack.enter_context(events.capture())  # the whole run's events
         spec = importlib.util.find_spec("flash_attn")

@@ -164,7 +164,7 @@ def main() -> None:
     captured: list[dict[str, Any]] = []
     if mode == "guard":
         import attnguard
-        from attnguard import events
+        from attnguard.observability import events
 
         attnguard.activate(log="none")
         captured = stack.enter_context(events.capture())
