@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnguard
-from attnguard import callguard, dtypes
+from attnguard import callguard, dtypes, kernels
 from attnguard.errors import AttnGuardError
 from attnguard.fallback import registry
 from attnguard.integrations.transformers import attention
@@ -185,14 +185,14 @@ def test_packed_sequences_from_position_ids_do_not_attend_across(guard):
     ],
 )
 def test_known_kernel_errors_are_classified_with_first_line(message, code):
-    got = callguard.classify_kernel_error(RuntimeError(message))
+    got = kernels.classify_kernel_error(RuntimeError(message))
     assert got == (code, message.splitlines()[0])
 
 
 def test_unknown_errors_and_other_types_are_not_recoverable():
-    assert callguard.classify_kernel_error(RuntimeError("CUDA out of memory")) is None
-    assert callguard.classify_kernel_error(KeyError("head dimension")) is None
-    assert callguard.classify_kernel_error(AttnGuardError("x", "head dimension", "y")) is None
+    assert kernels.classify_kernel_error(RuntimeError("CUDA out of memory")) is None
+    assert kernels.classify_kernel_error(KeyError("head dimension")) is None
+    assert kernels.classify_kernel_error(AttnGuardError("x", "head dimension", "y")) is None
 
 
 def _sdpa_entry():

@@ -33,7 +33,7 @@ from packaging.version import Version
 
 import attnguard
 from attnguard import AttnGuardError, facts
-from attnguard.integrations.transformers import remedies
+from attnguard.integrations.transformers import apply
 from attnguard.observability import events
 from attnguard.plan import LoadRequest, Plan, plan_load
 
@@ -63,7 +63,7 @@ def attn_everywhere(model: Any) -> set[str]:
     configs of PreTrainedModel sub-modules)."""
     return {
         getattr(c, "_attn_implementation_internal", None)
-        for c in remedies._all_configs(model)
+        for c in apply.all_configs(model)
         if getattr(c, "_attn_implementation_internal", None) is not None
     }
 
@@ -168,7 +168,7 @@ def test_guard_model_on_a_model_that_got_flash_past_the_gate(
     torch.manual_seed(0)
     model = tiny_model_class(family)(tiny_config(family, attn_implementation="sdpa"))
     reference = logits_of(model, family)
-    for cfg in remedies._all_configs(model):
+    for cfg in apply.all_configs(model):
         cfg._attn_implementation_internal = FLASH
     attnguard.guard_model(model)
     assert attn_everywhere(model) == expected_attn(type(model))
@@ -392,7 +392,7 @@ def test_disabled_fallback_only_observes(
 def test_internal_failure_is_reported_and_the_original_runs(
     tiny_checkpoint: Any, guard: Any, captured: list[dict[str, Any]], monkeypatch: Any
 ) -> None:
-    def broken() -> facts.Facts:
+    def broken(settings: Any = None) -> facts.Facts:
         raise RuntimeError("facts exploded")
 
     monkeypatch.setattr(facts, "current", broken)
@@ -402,7 +402,7 @@ def test_internal_failure_is_reported_and_the_original_runs(
     assert model.config._attn_implementation == "sdpa"
     errors = only(captured, "internal_error")
     assert len(errors) == 1 and errors[0]["reason_code"] == "RuntimeError"
-    assert errors[0]["location"].startswith("attnguard/integrations/transformers/remedies.py:")
+    assert errors[0]["location"].startswith("attnguard/integrations/transformers/apply.py:")
     assert "facts exploded" not in json.dumps(errors[0])  # the type and place, not the text
 
 
@@ -413,7 +413,7 @@ def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
     reported and the caller's own call runs."""
     flash_status()
     bad = Plan(LoadRequest(attn_implementation="sdpa"), device="cuda:7")
-    monkeypatch.setattr(remedies, "plan_load", lambda *a, **k: _with_change(bad))
+    monkeypatch.setattr(apply, "plan_load", lambda *a, **k: _with_change(bad))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tiny_checkpoint("llama"), attn_implementation="sdpa"
     )
@@ -430,7 +430,16 @@ def _cast_plan(*_a: Any, **_k: Any) -> Plan:
 
     from attnguard.plan import Action
 
-    cast = Action("fp32-cast", "model_cast", "flash_needs_half", "test", "cast", "", "f32", "bf16")
+    cast = Action(
+        rule="fp32-cast",
+        event="model_cast",
+        reason_code="flash_needs_half",
+        problem="test",
+        remedy="cast",
+        target="",
+        before="f32",
+        after="bf16",
+    )
     return replace(Plan(LoadRequest(attn_implementation="sdpa"), dtype="bfloat16"), actions=(cast,))
 
 
@@ -457,7 +466,7 @@ def test_out_of_memory_inside_a_changed_load_is_not_retried(
         calls.append(1)
         raise error
 
-    monkeypatch.setattr(remedies, "plan_load", _cast_plan)
+    monkeypatch.setattr(apply, "plan_load", _cast_plan)
     monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model", failing)
     with pytest.raises(type(error)) as got:
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -492,11 +501,11 @@ def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
         "`pip install accelerate`"
     )
     caller = {"device_map": "auto"}
-    assert not remedies.could_be_ours(ValueError(msg), caller, {**caller, "dtype": "bf16"})
-    assert remedies.could_be_ours(ValueError(msg), {}, {"device_map": {"": "cuda:0"}})
+    assert not apply.could_be_ours(ValueError(msg), caller, {**caller, "dtype": "bf16"})
+    assert apply.could_be_ours(ValueError(msg), {}, {"device_map": {"": "cuda:0"}})
     oom = torch.OutOfMemoryError("CUDA out of memory")
-    assert not remedies.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
-    assert not remedies.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
+    assert not apply.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
+    assert not apply.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
 
 
 def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
@@ -550,7 +559,14 @@ def _with_change(plan: Plan) -> Plan:
     from attnguard.plan import Action
 
     action = Action(
-        "place-gpu", "model_placed", "flash_needs_gpu", "test", "place", "", "cpu", "cuda:7"
+        rule="place-gpu",
+        event="model_placed",
+        reason_code="flash_needs_gpu",
+        problem="test",
+        remedy="place",
+        target="",
+        before="cpu",
+        after="cuda:7",
     )
     return replace(plan, actions=(action,))
 
@@ -571,7 +587,7 @@ def test_strict_mode_names_the_gpu_remedy_from_the_checkpoint_dtype(
     mode would apply: the cast for an fp32 load (4.x default, or a 5.x "auto" fp32 checkpoint),
     else the placement on cuda:0."""
     h100 = facts.synthetic(((9, 0),), installed={FLASH: "2.8.3"}, gpu_name="H100")
-    monkeypatch.setattr(facts, "current", lambda: h100)
+    monkeypatch.setattr(facts, "current", lambda settings=None: h100)
     guard(mode="strict")
     with pytest.raises(AttnGuardError) as err:
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -588,12 +604,12 @@ def test_load_kwargs_use_the_dtype_keyword_of_this_version() -> None:
     h100 = facts.synthetic(((9, 0),), installed={FLASH: "2.8.3"})
     request = LoadRequest(model="M", attn_implementation=FLASH, dtype=None)
     plan = plan_load(request, h100, attnguard.Settings())
-    new = remedies.load_kwargs(plan, {"attn_implementation": FLASH})
+    new = apply.load_kwargs(plan, {"attn_implementation": FLASH})
     key = "torch_dtype" if tf_version < Version("4.56") else "dtype"
     assert new[key] is torch.bfloat16 and new["device_map"] == {"": "cuda:0"}
     assert new["attn_implementation"] == FLASH
     if tf_version >= Version("4.56"):  # the caller's own (deprecated) spelling is kept
-        kept = remedies.load_kwargs(plan, {"torch_dtype": torch.float32})
+        kept = apply.load_kwargs(plan, {"torch_dtype": torch.float32})
         assert kept["torch_dtype"] is torch.bfloat16 and "dtype" not in kept
 
 

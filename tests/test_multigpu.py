@@ -20,14 +20,14 @@ from attnguard.integrations.transformers.rotary import (
     model_devices,
     remove_rotary_alignment,
 )
-from attnguard.multigpu import (
+from attnguard.observability import events
+from attnguard.plan.device_map import (
     SPREADING_DEVICE_MAPS,
     estimate_model_bytes,
     parse_bytes,
     plan_device_map,
     plan_from_environment,
 )
-from attnguard.observability import events
 
 GiB = 2**30
 # 5.x rotaries move inv_freq to x.device themselves and can run on "meta"

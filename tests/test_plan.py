@@ -672,7 +672,7 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         [PLACE, ("remedy-disabled", "observed", "flash_needs_half")],
         (FLASH, None, None, "cuda:0"),
     ),
-    # --- family C: several processes with a spreading device_map (attnguard.multigpu) ------------
+    # --- family C: several processes with a spreading device_map (attnguard.plan.device_map) ------------
     (
         "torchrun x2, device_map=auto: one replica per rank",
         machine("H100", n=2, launch=F.Launch(1, 1, 2)),

@@ -206,7 +206,7 @@ _TABLE: tuple[Reason, ...] = (
         "after loading, the model is not what attnguard planned",
         "report it: attnguard's plan and the loaded model disagree",
     ),
-    # --- several processes (attnguard.multigpu) ---------------------------------------------------
+    # --- several processes (attnguard.plan.device_map) ---------------------------------------------------
     Reason(
         "device_map_per_rank",
         ("device_map_rewritten", "observed"),

@@ -107,10 +107,10 @@ def _may_import() -> bool:
 def _what(package: str, *, metadata: bool) -> str:
     if not metadata:
         return f"{package} (a package without metadata, such as a source tree on PYTHONPATH)"
-    from ...facts import _dist_version
+    from ...facts import dist_version
 
     dists, label = _PACKAGES.get(package, ((), package))
-    version = _dist_version(dists)
+    version = dist_version(dists)
     return f"{label} {version} ({package}) is installed but" if version else f"{package}"
 
 
@@ -142,7 +142,7 @@ def _tried(package: str, modules: tuple[str, ...]) -> str | None:
         return _import_errors.get(package)
     if not _may_import():
         return None
-    from ...facts import _first_line
+    from ...facts import first_line
 
     with _lock:
         if package in _import_errors:
@@ -152,7 +152,7 @@ def _tried(package: str, modules: tuple[str, ...]) -> str | None:
             for module in modules:
                 importlib.import_module(module)
         except Exception as exc:  # ImportError, OSError, ... whatever transformers would get
-            error = _first_line(exc)
+            error = first_line(exc)
         _import_errors[package] = error
     if error is not None:
         _report(
@@ -246,11 +246,11 @@ def _verdict_of_failed_import(package: str, exc: BaseException) -> str | None:
     """Record (once) and report transformers' failed import of ``package``; None when our own
     code failed (the error then propagates as it would unguarded)."""
     try:
-        from ...facts import _first_line
+        from ...facts import first_line
 
         with _lock:
             first = _import_errors.get(package) is None
-            error = _import_errors[package] = _first_line(exc)
+            error = _import_errors[package] = first_line(exc)
         if first:
             how = "transformers imports a package without metadata to read its version, and fails"
             _report(package, error, how, metadata=False)

@@ -221,7 +221,9 @@ def _kernel_unusable(implementation: Any) -> bool:
     return all(kernels.flash_kernel_unusable(n, settings) is not None for n in names)
 
 
-def _own(module: ModuleType, *names: str) -> Any:
+def _first_defined(module: ModuleType, *names: str) -> Any:
+    """The first of ``names`` that ``module`` itself defines as a function (its own padding
+    helpers, where a release has them), else None."""
     for name in names:
         fn = getattr(module, name, None)
         if callable(fn):
@@ -242,8 +244,8 @@ def _kernels_for(module: ModuleType) -> dict[str, Any]:
     t = _twins()
     return {
         **t,
-        PAD: _own(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
-        UNPAD: _own(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
+        PAD: _first_defined(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
+        UNPAD: _first_defined(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
         IS_FA3: False,  # 4.54's flag: flash-attn 2's keyword arguments (dropout_p)
     }
 

@@ -16,7 +16,7 @@ Plain wrappers (``functools.wraps``) of the descriptors found in ``PreTrainedMod
 of the same kind: a classmethod stays a classmethod (subclasses bind to themselves, ``super()``
 works, and ``LlamaForCausalLM.from_pretrained`` is a real bound method that pickles as
 ``getattr(LlamaForCausalLM, "from_pretrained")``), an instance method stays a function. No wrapt
-proxies here: they cannot be pickled. The bodies live in :mod:`attnguard.integrations.transformers.remedies` and are called
+proxies here: they cannot be pickled. The bodies live in :mod:`.apply` (loads) and :mod:`.gates` (backend gates) and are called
 ``body(wrapped, cls_or_self, args, kwargs)`` with ``wrapped`` already bound.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from ...failopen import report_internal_error
 from ..ledger import Ledger
-from . import remedies
+from . import apply, gates
 
 ledger = Ledger("transformers_loading")
 
@@ -38,16 +38,16 @@ Body = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
 
 # attribute -> wrapper body, patched where PreTrainedModel has the attribute
 _TARGETS: tuple[tuple[str, Body], ...] = (
-    ("from_pretrained", remedies.guarded_from_pretrained),
-    ("_from_config", remedies.guarded_from_config),
-    ("_autoset_attn_implementation", remedies.guarded_autoset),  # transformers <= 4.53
-    ("_check_and_adjust_attn_implementation", remedies.guarded_check_and_adjust),  # >= 4.54
-    ("set_attn_implementation", remedies.guarded_set_attn_implementation),  # >= 4.54
+    ("from_pretrained", apply.guarded_from_pretrained),
+    ("_from_config", apply.guarded_from_config),
+    ("_autoset_attn_implementation", gates.guarded_autoset),  # transformers <= 4.53
+    ("_check_and_adjust_attn_implementation", gates.guarded_check_and_adjust),  # >= 4.54
+    ("set_attn_implementation", gates.guarded_set_attn_implementation),  # >= 4.54
     # transformers' flash-attn availability checks: passed under a flash-on-SDPA-twins decision
-    ("_check_and_enable_flash_attn_2", remedies.guarded_flash_check),  # <= 4.53
-    ("_flash_attn_2_can_dispatch", remedies.guarded_flash_check),  # 4.54 - 5.4
-    ("_flash_attn_3_can_dispatch", remedies.guarded_flash_check),  # 4.54 - 5.4
-    ("_flash_attn_can_dispatch", remedies.guarded_flash_check),  # >= 5.5
+    ("_check_and_enable_flash_attn_2", gates.guarded_flash_check),  # <= 4.53
+    ("_flash_attn_2_can_dispatch", gates.guarded_flash_check),  # 4.54 - 5.4
+    ("_flash_attn_3_can_dispatch", gates.guarded_flash_check),  # 4.54 - 5.4
+    ("_flash_attn_can_dispatch", gates.guarded_flash_check),  # >= 5.5
 )
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .observability import events
+from ..observability import events
 
 # device_map strings that make accelerate spread the model over every visible GPU.
 SPREADING_DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import attnguard.fallback as fb
-from attnguard.fallback import routes as kernels
-from attnguard.fallback import torch_flash
+from attnguard.fallback import routes, torch_flash
 
 F64 = torch.float64
 
@@ -55,7 +54,7 @@ def test_every_row_is_reachable_from_its_route_function():
         *[(True, False)] * 5,
     ):
         seen["dense"].add(
-            kernels.dense(
+            routes.dense(
                 flash_ok=ok,
                 window=w,
                 sq=sq,
@@ -70,14 +69,12 @@ def test_every_row_is_reachable_from_its_route_function():
         )
     for ok, cap, alibi, paged, comp in itertools.product(*[(True, False)] * 5):
         seen["varlen"].add(
-            kernels.varlen(
-                flash_ok=ok, softcap=float(cap), alibi=alibi, paged=paged, compiling=comp
-            )
+            routes.varlen(flash_ok=ok, softcap=float(cap), alibi=alibi, paged=paged, compiling=comp)
         )
     for flags in itertools.product(*[(True, False)] * 8):
         decode, ok, contiguous, paged, batch_idx, leftpad, cap, alibi = flags
         seen["kvcache"].add(
-            kernels.kvcache(
+            routes.kvcache(
                 decode=decode,
                 flash_ok=ok,
                 contiguous=contiguous,
@@ -91,19 +88,19 @@ def test_every_row_is_reachable_from_its_route_function():
     for ok, kind, equal in itertools.product(
         (True, False), (None, "none", "top_left", "bottom_right"), (True, False)
     ):
-        seen["xformers"].add(kernels.xformers(flash_ok=ok, block_kind=kind, equal_lengths=equal))
+        seen["xformers"].add(routes.xformers(flash_ok=ok, block_kind=kind, equal_lengths=equal))
     for call, ids in seen.items():
-        assert ids == {r.id for r in kernels.TABLE if r.call == call}, call
+        assert ids == {r.id for r in routes.TABLE if r.call == call}, call
     kinds = {"torch_flash", "sdpa", "sdpa_mask", "explicit", "per_sequence", "padded"}
     kinds.add("triton_decode")
-    for row in kernels.TABLE:
+    for row in routes.TABLE:
         assert row.kernel in kinds and row.when and row.why
-        assert f"``{row.kernel}``" in kernels.__doc__  # the module's prose names every kernel
+        assert f"``{row.kernel}``" in routes.__doc__  # the module's prose names every kernel
 
 
 def test_no_torch_flash_route_without_the_kernel():
     """flash_ok=False (CPU, fp32, an old GPU) never answers a torch_flash row."""
-    for row in kernels.TABLE:
+    for row in routes.TABLE:
         if row.kernel == "torch_flash":
             assert "torch's flash kernel can run" in row.when
 
@@ -316,7 +313,7 @@ def test_kvcache_decode_kernel_that_cannot_run_leaves_the_call_to_torchs_kernels
     kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
     out, lse = fb.flash_attn_with_kvcache(q, kc1, vc1, k, v, **kw)
     assert asked and emulated, "the decode row first, then torch's flash kernel"
-    monkeypatch.setattr(kernels, "kvcache", lambda decode=False, **f: "kvcache-general")
+    monkeypatch.setattr(routes, "kvcache", lambda decode=False, **f: "kvcache-general")
     ref, ref_lse = without_flash(fb.flash_attn_with_kvcache, q, kc2, vc2, k, v, **kw)
     close(out, ref)
     close(lse, ref_lse)
@@ -369,10 +366,10 @@ def test_a_deterministic_call_on_a_gpu_never_reaches_sdpa_without_torchs_flag():
         (True, False), windows, ((4, 4), (2, 6)), (0.0, 5.0), *[(True, False)] * 4
     ):
         kw = dict(flash_ok=ok, window=w, sq=sq, sk=sk, softcap=cap, alibi=alibi, need_lse=lse)
-        plain = kernels.dense(**kw)
-        assert kernels.dense(**kw, torch_deterministic=torch_det, gpu=gpu) == plain
-        det = kernels.dense(**kw, deterministic=True, torch_deterministic=torch_det, gpu=gpu)
-        kernel = kernels.ROUTES[det].kernel
+        plain = routes.dense(**kw)
+        assert routes.dense(**kw, torch_deterministic=torch_det, gpu=gpu) == plain
+        det = routes.dense(**kw, deterministic=True, torch_deterministic=torch_det, gpu=gpu)
+        kernel = routes.ROUTES[det].kernel
         if gpu and not torch_det:
             assert kernel in ("torch_flash", "explicit"), (kw, det)
         if ok and not alibi and cap == 0:
