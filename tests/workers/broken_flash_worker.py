@@ -116,6 +116,8 @@ def record_flash_imports() -> set[str]:
         if event != "open" or not isinstance(args[0], str) or ".dist-info" in args[0]:
             return
         parts = Path(args[0]).parts
+        if "attnguard" in parts:  # attnguard's own flash-attn integration, not flash-attn
+            return
         roots = [i for i, p in enumerate(parts) if p.startswith("flash_attn")]
         if not roots:
             return
