@@ -100,7 +100,8 @@ def test_two_threads_importing_transformers_and_modeling_utils(
     assert unguarded_imports["transformers"] == "ok"
     patched = ["attnguard.integrations.transformers.availability"]
     if unguarded_imports[target] == "ok":  # not without torch (a Python torch has no build for)
-        patched.insert(0, "attnguard.integrations.transformers.modeling")
+        patched.append("attnguard.integrations.transformers.modeling")
+    patched.sort()  # as the worker reports them
     for got in sweep(entry, "transformers", target, (-20, 5, 30)):
         assert got["imports"] == unguarded_imports
         assert got["active"] is True
