@@ -36,7 +36,7 @@ __all__ = [
 def guard_model(model: Any) -> Any:
     """Check and fix a model built directly with ``Model(config)``; returns the model."""
     from ._bootstrap import activate_pending
-    from .remedies import guard_built_model
+    from .integrations.transformers.built import guard_built_model
 
     activate_pending()
     return guard_built_model(model)

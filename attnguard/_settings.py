@@ -78,3 +78,16 @@ class Settings:
         d["fallback"] = list(self.fallback)
         d["console_ranks"] = "all" if self.console_ranks is None else list(self.console_ranks)
         return d
+
+
+class InForce:
+    """The settings in force, behind one attribute the runtime swaps in one step.
+
+    The runtime owns the one instance (``attnguard.runtime.IN_FORCE``) and hands it to the
+    integrations, which hand it to the call guard with each entry point: guarded calls read
+    ``in_force.settings`` at every call, so a change of settings is atomic for running code."""
+
+    __slots__ = ("settings",)
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings

@@ -27,7 +27,7 @@ def _run(cmd: Sequence[str]) -> int:
         )
         return 2
     from .config import load
-    from .events import probe_log_files
+    from .observability.events import probe_log_files
     from .runtime import PARENT_VAR
 
     # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child: the settings,
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(render(as_json=args.json))
             return 0
-        from .eventfiles import summarise_files
+        from .observability.eventfiles import summarise_files
 
         # text from the files may hold anything: never a codec error on the way out
         for stream in (sys.stdout, sys.stderr):

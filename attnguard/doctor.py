@@ -10,15 +10,15 @@ from dataclasses import replace
 from typing import Any
 
 from . import facts as facts_mod
+from . import runtime
 from .config import Settings, load
-from .eventfiles import printable
-from .patches import transformers_kernels
+from .integrations.transformers import flash_path as transformers_kernels
+from .kernels import QUESTIONS
+from .observability.eventfiles import printable
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
 
 def _settings() -> Settings:
-    from . import runtime
-
     current = runtime.settings()
     # doctor plans with the ATTNGUARD_* settings a guarded run would use, even when off here
     return current if current.enabled else load()
@@ -63,7 +63,7 @@ def collect() -> dict[str, Any]:
     """Facts, table and the sample plan as one JSON-friendly dict."""
     from .runtime import versions
 
-    facts = facts_mod.current()
+    facts = facts_mod.current(runtime.settings())
     settings = _settings()
     flash_path = transformers_kernels.installed_flash_path()
     plan = plan_load(_sample_request(flash_path), facts, settings)
@@ -74,6 +74,10 @@ def collect() -> dict[str, Any]:
         "guard": guard_state(),
         "settings": shown,
         "facts": facts.as_dict(),
+        "kernel_questions": [
+            {"when": when, "question": question, "answered_by": where}
+            for when, question, where in QUESTIONS
+        ],
         "decision_table": [dict(r.__dict__) for r in TABLE],
         "flash_path": flash_path,
         "sample_request": "flash_attention_2 + float32 + no device_map",
@@ -85,7 +89,7 @@ def collect() -> dict[str, Any]:
 
 
 def _twin_table() -> Any:
-    from .fallback.kernels import TABLE as TWIN_TABLE
+    from .fallback.routes import TABLE as TWIN_TABLE
 
     return TWIN_TABLE
 
@@ -146,7 +150,7 @@ def render(as_json: bool = False) -> str:
     data = collect()
     if as_json:
         return json.dumps(data, indent=2, default=str)
-    facts = facts_mod.current()
+    facts = facts_mod.current(runtime.settings())
     settings = _settings()
     lines = ["attnguard doctor", ""]
     lines.append(
@@ -186,6 +190,9 @@ def render(as_json: bool = False) -> str:
         ["backend", "usable", "reason"],
         [[b.name, "yes" if b.usable else "no", b.reason] for b in facts.backends.values()],
     )
+    lines += ["", "Which kernel computes an attention call, and why: the questions, in order"]
+    for n, (when, question, where) in enumerate(QUESTIONS, 1):
+        lines.append(f"  {n}. {when}: {question} ({where})")
     lines += ["", "Decision table"]
     lines += _rows(
         ["rule", "family", "event", "reason_code", "disable with"],
@@ -211,7 +218,7 @@ def render(as_json: bool = False) -> str:
         )
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
     lines += _plan_lines(plan_load(_sample_request(path), facts, settings))
-    lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/kernels.py)"]
+    lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/routes.py)"]
     lines += _rows(
         ["route", "call", "kernel", "when"],
         [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],

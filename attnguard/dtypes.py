@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from . import runtime
-
 Tensor = torch.Tensor
 _BF16 = torch.bfloat16
 _FP16 = torch.float16
@@ -54,9 +52,9 @@ def module_dtype(module: Any) -> torch.dtype | None:
 _half_by_device: dict[int, torch.dtype] = {}
 
 
-def half_dtype_for(device: torch.device) -> torch.dtype:
-    """The half dtype to run a half-only kernel in: ATTNGUARD_DTYPE, else bf16 where native."""
-    choice = runtime.settings().dtype
+def half_dtype_for(device: torch.device, choice: str = "auto") -> torch.dtype:
+    """The half dtype to run a half-only kernel in: ``choice`` (the ATTNGUARD_DTYPE setting:
+    "bf16", "fp16"), else ("auto") bf16 where native."""
     if choice == "bf16":
         return _BF16
     if choice == "fp16":
@@ -79,6 +77,7 @@ def choose_dtype(
     *,
     preferred: torch.dtype | None = None,
     half_only: bool = False,
+    dtype_setting: str = "auto",
 ) -> torch.dtype:
     """One dtype for mixed q/k/v (``dtypes[0]`` is the query's).
 
@@ -99,7 +98,7 @@ def choose_dtype(
     if halves:
         return dtypes[0] if dtypes[0] in HALF_DTYPES else halves[0]
     if half_only:
-        return half_dtype_for(device)
+        return half_dtype_for(device, dtype_setting)
     out = dtypes[0]
     for d in dtypes[1:]:
         if d.is_floating_point:

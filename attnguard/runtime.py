@@ -8,19 +8,28 @@ was activated first. Hooks cannot be unregistered; after :func:`deactivate` they
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import config, events, launch
+from . import config, launch
+from ._settings import InForce
 from .config import EnvironmentSettingError, Settings, load
+from .observability import events
+
+if TYPE_CHECKING:
+    from .integrations import Integration
 
 _lock = threading.RLock()
-_settings = Settings(enabled=False)
+# the settings in force: handed to the integrations, which hand it to the call guard
+IN_FORCE = InForce(Settings(enabled=False))
 _active = False
 _hooks_registered: set[tuple[str, str]] = set()  # (integration, patch module)
 _patched: dict[tuple[str, str], None] = {}  # (integration, patch module), in patch order
+# parts of the integrations ATTNGUARD_DISABLE cannot name (not in patched_integrations())
+_unswitchable: dict[tuple[str, str], None] = {}
 _refused: set[str] = set()  # integrations not patched for their version (reported once)
 _overrides: dict[str, Any] = {}
 
@@ -30,7 +39,7 @@ PARENT_VAR = launch.PARENT_VAR
 
 def settings() -> Settings:
     """The settings in force (enabled=False when not active)."""
-    return _settings
+    return IN_FORCE.settings
 
 
 def is_active() -> bool:
@@ -38,37 +47,26 @@ def is_active() -> bool:
 
 
 def integrations() -> dict[str, Any]:
-    """patch module name -> the module, for every part of every integration (importing these
-    imports torch)."""
-    from .patches import INTEGRATIONS
+    """patch module name -> the module, for every part of every switchable integration
+    (importing these imports torch)."""
+    from .integrations import REGISTRY
 
     return {
-        part: importlib.import_module(part) for parts in INTEGRATIONS.values() for part, _ in parts
+        part.module: importlib.import_module(part.module)
+        for integration in REGISTRY
+        if integration.switchable
+        for part in integration.parts
     }
 
 
-def imported_version(module: str, dist: str) -> str | None:
-    """The version of an imported package: its ``__version__`` (what really runs, no metadata
-    scan), else the distribution's metadata; None when neither says."""
-    version = getattr(sys.modules.get(module), "__version__", None)
-    if version is not None:
-        return str(version)
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except Exception:
-        return None
-
-
-def _version_refused(name: str) -> bool:
+def _version_refused(integration: Integration) -> bool:
     """True (after one ``observed`` event per process) when the installed library is outside
     the versions the integration declares."""
-    from .patches import INTEGRATIONS, SUPPORTED, unsupported
+    name = integration.name
+    from .installed import imported_version
 
-    package = INTEGRATIONS[name][0][1].partition(".")[0]  # every part patches one library
-    version = imported_version(package, SUPPORTED[name][0])
-    why = unsupported(name, version)
+    version = imported_version(integration.package, integration.distribution)
+    why = integration.supports(version)
     if why is None:
         return False
     if name not in _refused:
@@ -83,64 +81,56 @@ def _version_refused(name: str) -> bool:
     return True
 
 
-def _on_import(name: str, part: str, module: Any) -> None:
-    """Post-import hook body: patch this part of integration ``name`` if we are active, it is
-    allowed and its library's version is one the integration supports. Never raises."""
+def _on_import(integration: Integration, part: str, module: Any) -> None:
+    """Post-import hook body: patch this part of a switchable integration if we are active, it
+    is allowed and its library's version is one the integration supports. Never raises."""
+    name = integration.name
     with _lock:
-        if not _active or not _settings.allows(name) or (name, part) in _patched:
+        if not _active or not IN_FORCE.settings.allows(name) or (name, part) in _patched:
             return
         try:
-            if _version_refused(name):
+            if _version_refused(integration):
                 return
             importlib.import_module(part).patch(module)
             _patched[(name, part)] = None
         except Exception as exc:
-            from .patching import report_internal_error
+            from .failopen import report_internal_error
 
             report_internal_error(f"{name}.patch", exc)  # never raises
 
 
-def _register_hooks() -> None:
-    from . import importhooks
-    from .patches import INTEGRATIONS
-
-    for name, parts in INTEGRATIONS.items():
-        for part, target in parts:
-            if (name, part) in _hooks_registered:
-                if target in sys.modules:  # hooks already fired once; re-patch what is there
-                    _on_import(name, part, sys.modules[target])
-                continue
-            _hooks_registered.add((name, part))
-            # Fires immediately when the module is already imported.
-            importhooks.register_post_import_hook(
-                lambda mod, _n=name, _p=part: _on_import(_n, _p, mod), target
-            )
-    if _JOB_PART not in _hooks_registered:
-        _hooks_registered.add(_JOB_PART)
-        importhooks.register_post_import_hook(_on_distributed_import, "torch.distributed")
-    elif "torch.distributed" in sys.modules:
-        _on_distributed_import(sys.modules["torch.distributed"])
-
-
-# The exit summary's view of the process group: not an integration (nothing it does changes what
-# the program computes, so ATTNGUARD_DISABLE does not name it, nor patched_integrations()).
-_JOB_PART = ("torch_distributed", "attnguard.patches.torch_distributed")
-_job_patched = False
-
-
-def _on_distributed_import(module: Any) -> None:
-    """Post-import hook body for torch.distributed. Never raises."""
-    global _job_patched
+def _on_unswitchable_import(integration: Integration, part: str, module: Any) -> None:
+    """Post-import hook body of an integration that is not switchable (nothing it does changes
+    what the program computes): patched whenever we are active. Never raises."""
     with _lock:
-        if not _active or _job_patched:
+        if not _active or (integration.name, part) in _unswitchable:
             return
         try:
-            importlib.import_module(_JOB_PART[1]).patch(module)
-            _job_patched = True
+            importlib.import_module(part).patch(module)
+            _unswitchable[(integration.name, part)] = None
         except Exception as exc:
-            from .patching import report_internal_error
+            from .failopen import report_internal_error
 
-            report_internal_error("torch_distributed.patch", exc)
+            report_internal_error(f"{integration.name}.patch", exc)
+
+
+def _register_hooks() -> None:
+    from . import importhooks
+    from .integrations import REGISTRY
+
+    for integration in REGISTRY:
+        on_import = _on_import if integration.switchable else _on_unswitchable_import
+        for part in integration.parts:
+            key = (integration.name, part.module)
+            if key in _hooks_registered:
+                if part.trigger in sys.modules:  # hooks already fired once; re-patch what is there
+                    on_import(integration, part.module, sys.modules[part.trigger])
+                continue
+            _hooks_registered.add(key)
+            # Fires immediately when the module is already imported.
+            importhooks.register_post_import_hook(
+                functools.partial(on_import, integration, part.module), part.trigger
+            )
 
 
 def versions() -> dict[str, str | None]:
@@ -158,7 +148,7 @@ def versions() -> dict[str, str | None]:
 
 
 def _exit_summary() -> None:
-    from .summary import emit_exit_summary
+    from .observability.summary import emit_exit_summary
 
     emit_exit_summary()
 
@@ -166,14 +156,14 @@ def _exit_summary() -> None:
 def _ready_exit_summary() -> None:
     """Import the exit summary's modules now that it is due, never first at exit: there an
     import clears CPython's record of an unhandled Ctrl-C (see ``events._at_exit``)."""
-    from . import summary  # noqa: F401
+    from .observability import summary  # noqa: F401
 
 
 def _first_event() -> bool:
     _ready_exit_summary()  # this process now has something to summarise
     if events.launch_context()["world_size"] <= 1:
         return False  # no job (yet: a Ray actor sets its rank later)
-    from .summary import announce_first_event
+    from .observability.summary import announce_first_event
 
     return announce_first_event()
 
@@ -182,24 +172,23 @@ def _unpatch(name: str, part: str) -> None:
     try:
         importlib.import_module(part).unpatch()
     except Exception as exc:
-        from .patching import report_internal_error
+        from .failopen import report_internal_error
 
         report_internal_error(f"{name}.unpatch", exc)
     _patched.pop((name, part), None)
 
 
-def _unpatch_job() -> None:
-    global _job_patched
-    if _job_patched:
-        _job_patched = False
-        _unpatch(*_JOB_PART)
+def _unpatch_unswitchable() -> None:
+    for name, part in reversed(list(_unswitchable)):
+        _unswitchable.pop((name, part), None)
+        _unpatch(name, part)
 
 
 def _refuse_environment(exc: ValueError) -> Settings:
     """A bad ATTNGUARD_* value from the environment: one line on stderr (once per value), the
     settings in force stay as they were (off, unless active already)."""
     config.say(f"{exc} ({'the settings in force stay' if _active else config.OFF})")
-    return _settings
+    return IN_FORCE.settings
 
 
 def activate(**overrides: Any) -> Settings:
@@ -217,21 +206,21 @@ def activate(**overrides: Any) -> Settings:
     mode switch among fix, warn and strict keeps every patch); the settings and the log
     streams are swapped in one step each.
     """
-    global _settings, _active, _overrides
+    global _active, _overrides
     try:
         new = load(overrides=overrides)
     except EnvironmentSettingError as exc:
         return _refuse_environment(exc)
     with _lock:
-        if _active and new == _settings:
+        if _active and new == IN_FORCE.settings:
             _overrides = dict(overrides)
-            return _settings
+            return IN_FORCE.settings
         if not new.enabled:
             if _active:
                 deactivate()
             events.configure_sinks(new)
             _overrides = dict(overrides)
-            _settings = new
+            IN_FORCE.settings = new
             return new
         helper = events.is_helper() if events.marked() else launch.helper_of_guarded_parent()
         # Helpers open their (shared, per-rank) file at their first line only. A bad path
@@ -249,11 +238,11 @@ def activate(**overrides: Any) -> Settings:
             if not new.allows(name):
                 _unpatch(name, part)
         _overrides = dict(overrides)
-        _settings = new
+        IN_FORCE.settings = new
         _active = True
         events.register_exit_summary(_exit_summary, _first_event)
         if not helper and events.launch_context()["world_size"] > 1:
-            from .jobdir import announce_alive
+            from .observability.jobdir import announce_alive
 
             announce_alive()  # rank 0 waits at exit for a rank that still runs
         if not helper and events.announce(new):
@@ -274,16 +263,16 @@ def activate(**overrides: Any) -> Settings:
 
 def deactivate() -> None:
     """Undo every patch (originals restored by identity); hooks stay registered but inert."""
-    global _active, _settings
+    global _active
     with _lock:
         for name, part in reversed(list(_patched)):
             _unpatch(name, part)
-        _unpatch_job()
+        _unpatch_unswitchable()
         _refused.clear()
         _active = False
-        _settings = Settings(enabled=False, mode=_settings.mode)
+        IN_FORCE.settings = Settings(enabled=False, mode=IN_FORCE.settings.mode)
         # Flush and close a log file now; nothing is emitted while inactive (no exit summary).
-        events.configure_sinks(_settings)
+        events.configure_sinks(IN_FORCE.settings)
 
 
 def finish() -> None:

@@ -22,7 +22,7 @@ attnguard touches files in these ways, each with its own rule (docs/files.md say
   a temporary name and renamed into place; a file is read only when it is a regular file of
   yours under a size bound. All of it goes through a descriptor of the checked directory.
 * **files handed to ``attnguard summary``**: read only when they are regular files (a FIFO or a
-  device is refused without being opened), in bounded chunks (:mod:`attnguard.eventfiles`).
+  device is refused without being opened), in bounded chunks (:mod:`attnguard.observability.eventfiles`).
 * **the kernel-decision cache** (``ATTNGUARD_KERNEL=fastest``,
   :mod:`attnguard.selection.cache`): a private directory as the rendezvous is (``0700``, ours,
   not writable by others), one ``0600`` file per decision written first-writer-wins, read under

@@ -4,14 +4,14 @@ README "Compatibility" says this table in words, and ``tests/test_package.py`` c
 the README, ``pyproject.toml`` (requires-python, Python classifiers, dependency floors, the
 ``flash`` / ``xformers`` extras), ``scripts/test.sh`` and ``.ci/run`` (the versions they install).
 The windows inside which an integration patches its library are not repeated here: they are
-:data:`attnguard.patches.SUPPORTED`, read from there.
+each integration's own declaration (:data:`attnguard.integrations.REGISTRY`), read from there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .patches import SUPPORTED, spelled
+from .integrations import by_name
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,7 @@ class Component:
 
 def window(integration: str) -> str:
     """An integration's window as a specifier: ``">=2.6,<3"``."""
-    _, low, high = SUPPORTED[integration]
-    return f">={spelled(low)},<{spelled(high)}"
+    return by_name(integration).window()  # type: ignore[attr-defined, no-any-return]
 
 
 # transformers releases CI runs (.ci/run): the full suite, the smoke suite, the version gate

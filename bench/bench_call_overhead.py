@@ -27,7 +27,10 @@ import _smoke
 import torch
 
 import attnguard
-from attnguard import callguard, routing
+from attnguard import callguard, kernels, runtime
+from attnguard.integrations.flash_attn import entries as flash_entries
+from attnguard.integrations.transformers import attention
+from attnguard.integrations.xformers import entries as xformers_entries
 
 
 def _paired_ns(
@@ -61,12 +64,20 @@ def _noop_xformers(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) 
 
 def _direct_entry(name: str, kind: str, original: Callable[..., Any]) -> callguard.Entry:
     """The entry the flash_attn / xformers patches build, around a no-op kernel."""
-    if kind == routing.FLASH_KERNEL:
-        tensors, mask = callguard.FLASH_TENSOR_PARAMS[name], None
+    if kind == kernels.EntryKind.FLASH_KERNEL:
+        tensors, mask = flash_entries.FLASH_TENSOR_PARAMS[name], None
     else:
-        tensors, mask = callguard.XFORMERS_TENSOR_PARAMS, "attn_bias"
+        tensors, mask = xformers_entries.XFORMERS_TENSOR_PARAMS, "attn_bias"
     return callguard.Entry(
-        name, kind, original, tensors=tensors, twin=original, mask=mask, site=f"bench.{name}"
+        name,
+        kind,
+        original,
+        tensors=tensors,
+        twin=original,
+        mask=mask,
+        site=f"bench.{name}",
+        head_axis=flash_entries.FLASH_HEAD_AXIS.get(name, -1),
+        in_force=runtime.IN_FORCE,
     )
 
 
@@ -95,7 +106,7 @@ def main() -> None:
     mask2d = torch.ones(1, 8, dtype=torch.long, device="meta")
 
     rows: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = []
-    guarded_sdpa = callguard.wrap_registry_entry("sdpa", sdpa_attention_forward)
+    guarded_sdpa = attention.wrap_registry_entry("sdpa", sdpa_attention_forward)
     rows.append(
         (
             "registry sdpa, real kernel (cpu fp32 1x2x8x16)",
@@ -103,7 +114,7 @@ def main() -> None:
             lambda: guarded_sdpa(module, q, k, v, None, dropout=0.0, scaling=None),
         )
     )
-    noop_sdpa = callguard.wrap_registry_entry("sdpa", _noop_attention)
+    noop_sdpa = attention.wrap_registry_entry("sdpa", _noop_attention)
     rows.append(
         (
             "registry sdpa, no-op kernel (cpu)",
@@ -111,7 +122,7 @@ def main() -> None:
             lambda: noop_sdpa(module, q, k, v, None, dropout=0.0, scaling=None),
         )
     )
-    noop_flash = callguard.wrap_registry_entry("flash_attention_2", _noop_attention)
+    noop_flash = attention.wrap_registry_entry("flash_attention_2", _noop_attention)
     rows.append(
         (
             "registry flash_attention_2, no-op kernel (meta bf16, 2D mask)",
@@ -120,7 +131,7 @@ def main() -> None:
         )
     )
     flash_direct = callguard.wrap_direct(
-        _direct_entry("flash_attn_func", routing.FLASH_KERNEL, _noop_flash)
+        _direct_entry("flash_attn_func", kernels.EntryKind.FLASH_KERNEL, _noop_flash)
     )
     rows.append(
         (
@@ -130,7 +141,7 @@ def main() -> None:
         )
     )
     xf_direct = callguard.wrap_direct(
-        _direct_entry("memory_efficient_attention", routing.XFORMERS, _noop_xformers)
+        _direct_entry("memory_efficient_attention", kernels.EntryKind.XFORMERS, _noop_xformers)
     )
     rows.append(
         (

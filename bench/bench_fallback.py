@@ -138,7 +138,7 @@ def child(scenario: str, path: str, batch: int, seq: int, iters: int) -> dict[st
     if scenario.startswith("guarded"):
         os.environ["ATTNGUARD_LOG"] = "none"
         import attnguard  # noqa: F401  (importing activates)
-        from attnguard import events
+        from attnguard.observability import events
 
         events.reset_counts()
     from transformers import AutoModelForCausalLM

@@ -346,7 +346,7 @@ def part_host(args: argparse.Namespace) -> list[str]:
     """Host µs per flash_attn_func call, decode-shaped: what the guard and fastest add."""
     import torch
 
-    from attnguard import callguard, routing
+    from attnguard import callguard, kernels, runtime
 
     lines = []
     n = 2000 if not SMOKE else 200
@@ -362,12 +362,14 @@ def part_host(args: argparse.Namespace) -> list[str]:
 
     entry = callguard.Entry(
         "flash_attn_func",
-        routing.FLASH_KERNEL,
+        kernels.EntryKind.FLASH_KERNEL,
         stub,
         tensors=("q", "k", "v"),
         twin=stub,
         site="flash_attn.flash_attn_func",
         aux=("alibi_slopes",),
+        head_axis=3,
+        in_force=runtime.IN_FORCE,
     )
     guarded = callguard.wrap_direct(entry)
     meta = [torch.empty(*s, dtype=torch.bfloat16, device="meta") for s in SHAPE_DECODE]

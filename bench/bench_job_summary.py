@@ -13,8 +13,8 @@ Two parts, each printing a Markdown table:
   (``waited_s``), and the keys per rank.
 * **sim**: the store protocol without torch, to 1,024 ranks: a fake store (``set`` / ``get`` /
   ``check`` / ``add``, as c10d's) shared by one thread per rank running attnguard's own posting
-  code (:func:`attnguard.summary._post`, :meth:`attnguard.jobstore.JobStore.enrol`) and rank 0
-  running its gathering (:func:`attnguard.gather.gather`). Each rank announces its events,
+  code (:func:`attnguard.observability.summary._post`, :meth:`attnguard.observability.jobstore.JobStore.enrol`) and rank 0
+  running its gathering (:func:`attnguard.observability.gather.gather`). Each rank announces its events,
   posts its record as it ends its group, and its exit record after a delay drawn between 0 and
   ``--spread`` seconds; in a second run one rank in 64 ends without an exit record
   (``os._exit``: rank 0 then waits its whole deadline, ``--timeout``). Reported:
@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _smoke  # noqa: E402
 
-from attnguard import gather, jobstore, summary  # noqa: E402
-from attnguard.eventfiles import clean_keys  # noqa: E402
-from attnguard.events import KINDS  # noqa: E402
+from attnguard.observability import gather, jobstore, summary  # noqa: E402
+from attnguard.observability.eventfiles import clean_keys  # noqa: E402
+from attnguard.observability.events import KINDS  # noqa: E402
 
 # --- real processes ------------------------------------------------------------------------------
 
@@ -57,7 +57,7 @@ WORKER = """
 import json, os, sys, time
 import attnguard
 import torch, torch.distributed as dist
-from attnguard import events, jobstore, summary
+from attnguard.observability import events, jobstore, summary
 
 summary.GATHER_TIMEOUT_S = 60.0
 dist.init_process_group("gloo")

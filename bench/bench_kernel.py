@@ -190,7 +190,7 @@ def child(mode: str, cache_dir: str) -> int:
     capture: Any = contextlib.nullcontext(seen)
     if mode == "on":
         import attnguard
-        from attnguard import events
+        from attnguard.observability import events
 
         attnguard.activate(log="none", kernel="fastest", kernel_cache=cache_dir)
         capture = events.capture()
@@ -478,7 +478,7 @@ def main() -> int:
     import transformers
 
     import attnguard
-    from attnguard import events
+    from attnguard.observability import events
 
     # a cache of its own: every decision is measured in this run, none read from an earlier one
     attnguard.activate(

@@ -323,12 +323,12 @@ def part_numerics(args: argparse.Namespace) -> list[str]:
     import torch
 
     from attnguard import fallback
-    from attnguard.fallback import kernels
+    from attnguard.fallback import routes as twin_routes
 
     fi = bt.real_flash()
     routes: list[str] = []
-    saved = kernels.kvcache
-    kernels.kvcache = lambda **kw: routes.append(saved(**kw)) or routes[-1]
+    saved = twin_routes.kvcache
+    twin_routes.kvcache = lambda **kw: routes.append(saved(**kw)) or routes[-1]
     lines = []
     try:
         for dtype in (torch.bfloat16, torch.float16):
@@ -369,7 +369,7 @@ def part_numerics(args: argparse.Namespace) -> list[str]:
                     f"{'ok' if ok and caches else 'FAIL'} |"
                 )
     finally:
-        kernels.kvcache = saved
+        twin_routes.kvcache = saved
     return lines
 
 

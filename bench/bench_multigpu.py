@@ -16,7 +16,7 @@ configuration, so their ratio (target >= 0.97) is measured in ``--rounds`` alter
 (by hand first in even rounds, guarded first in odd ones): the median of the per-round ratios
 [min, max]; a single pair of torchrun processes differs by process-to-process noise alone. Exits 0 with a message when fewer
 than two GPUs are visible. ``--guard-by-hand`` makes the guarded workers call
-attnguard.multigpu.plan_from_environment themselves (before the loading wrapper is wired).
+attnguard.plan.device_map.plan_from_environment themselves (before the loading wrapper is wired).
 ``--smoke`` (CI): one guarded ``torchrun --nproc-per-node=2`` on the CPU (gloo) with a 2-layer
 model of width 64, and its report; the GPU comparisons are said to be skipped.
 """
@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     dtype_kw = "dtype" if release >= (4, 56) else "torch_dtype"  # dtype= from 4.56
     kwargs: dict[str, Any] = {"device_map": device_map, dtype_kw: torch.bfloat16}
     if args.guard_by_hand:
-        from attnguard.multigpu import plan_from_environment
+        from attnguard.plan.device_map import plan_from_environment
 
         decision = plan_from_environment("auto")
         if decision is not None:

@@ -382,12 +382,14 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
     through transformers' own flash path; the twins reached exactly as attnguard reaches them
     when flash-attn's kernel cannot run (its lazy-import patch answering with the twins)."""
     import attnguard
-    from attnguard import routing
-    from attnguard.patches import transformers_kernels as tk
+    from attnguard import kernels
+    from attnguard.integrations.transformers import flash_path as tk
 
     state = {"broken": False}
-    saved = routing.flash_kernel_unusable
-    routing.flash_kernel_unusable = lambda impl: "extension_broken" if state["broken"] else None
+    saved = kernels.flash_kernel_unusable
+    kernels.flash_kernel_unusable = lambda impl, settings=None: (
+        "extension_broken" if state["broken"] else None
+    )
     attnguard.activate(log="none")
 
     def use(which: str) -> None:
@@ -399,7 +401,7 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
     try:
         yield use
     finally:
-        routing.flash_kernel_unusable = saved
+        kernels.flash_kernel_unusable = saved
         attnguard.deactivate()
 
 

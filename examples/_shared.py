@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attnguard
-from attnguard import routing
+from attnguard import kernels
 from attnguard.plan import Plan
 
 # A tiny text model: the shape of Qwen2 / Llama, 2 layers of width 64 (loads in well under 1 s).
@@ -86,11 +86,11 @@ def vl_prompt(device: Any = "cpu") -> dict[str, Any]:
 
 def computed_by(model: Any) -> str:
     """One line: the model's attention implementation and what computes its calls (where flash
-    attention cannot run, :mod:`attnguard.routing` sends transformers' flash path to the twins)."""
+    attention cannot run, :mod:`attnguard.kernels` sends transformers' flash path to the twins)."""
     impl = model.config._attn_implementation
     if not (isinstance(impl, str) and "flash" in impl):
         return f"attention {impl!r}: transformers' {impl} code path"
-    unusable = routing.flash_kernel_unusable(impl)
+    unusable = kernels.flash_kernel_unusable(impl)
     if unusable is None:
         return f"attention {impl!r}: transformers' flash code path on the flash-attn kernel"
     return (

@@ -33,7 +33,8 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
 from _shared import TINY_TEXT, computed_by, finish, load_dtype, without_attnguard  # noqa: E402
-from attnguard import events, facts  # noqa: E402
+from attnguard.observability import events
+from attnguard import facts  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 

@@ -40,7 +40,8 @@ from _shared import (  # noqa: E402
     vl_prompt,
     without_attnguard,
 )
-from attnguard import events, facts  # noqa: E402
+from attnguard.observability import events  # noqa: E402
+from attnguard import facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2_5_VLForConditionalGeneration  # noqa: E402
 

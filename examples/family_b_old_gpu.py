@@ -36,7 +36,8 @@ from _shared import (  # noqa: E402
     show_plan,
     without_attnguard,
 )
-from attnguard import events, facts  # noqa: E402
+from attnguard.observability import events
+from attnguard import facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config  # noqa: E402
 

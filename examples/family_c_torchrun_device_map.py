@@ -38,8 +38,9 @@ from _shared import (  # noqa: E402
     tiny_qwen2_5_vl_config,
     vl_prompt,
 )
-from attnguard import events, facts  # noqa: E402
-from attnguard.multigpu import estimate_model_bytes  # noqa: E402
+from attnguard.observability import events
+from attnguard import facts  # noqa: E402
+from attnguard.plan.device_map import estimate_model_bytes  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration  # noqa: E402
 

@@ -30,7 +30,7 @@ import attnguard  # noqa: E402, F401  (importing activates the guard, before xfo
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from _shared import finish, without_attnguard  # noqa: E402
-from attnguard import events  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 from torch import nn  # noqa: E402
 
 try:  # exactly VAR's optional imports

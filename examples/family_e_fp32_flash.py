@@ -31,7 +31,8 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
 from _shared import TINY_TEXT, computed_by, finish, show_plan, without_attnguard  # noqa: E402
-from attnguard import events, facts  # noqa: E402
+from attnguard.observability import events
+from attnguard import facts  # noqa: E402
 from attnguard.plan import LoadRequest, plan_load  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 

@@ -23,7 +23,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
 from _shared import computed_by, finish, without_attnguard  # noqa: E402
-from attnguard import events  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 

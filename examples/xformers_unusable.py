@@ -26,7 +26,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402, F401  (importing activates the guard, before xformers is imported)
 import torch  # noqa: E402
 from _shared import finish, without_attnguard  # noqa: E402
-from attnguard import events  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 
 try:
     import xformers.ops as xops

@@ -14,7 +14,7 @@ image+text generation and writes ``result-{rank}.json`` into ``--out``: the para
 drives it; ATTNGUARD_LOG=<out>/events-{rank}.jsonl gives each rank's events.
 
 ``--guard-by-hand`` makes the calls the loading wrapper makes (plan_from_environment before
-from_pretrained, install_rotary_alignment after): a way to try attnguard.multigpu before that
+from_pretrained, install_rotary_alignment after): a way to try attnguard.plan.device_map before that
 wrapper is wired. Users never need it; the test does not use it.
 """
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device_map = parse_device_map(args.device_map)
     kwargs: dict[str, Any] = {"device_map": device_map}
     if args.guard_by_hand:
-        from attnguard.multigpu import plan_from_environment
+        from attnguard.plan.device_map import plan_from_environment
 
         decision = plan_from_environment(device_map)
         if decision is not None:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(args.model, **kwargs).eval()
         if args.guard_by_hand:
-            from attnguard.multigpu import install_rotary_alignment
+            from attnguard.integrations.transformers.rotary import install_rotary_alignment
 
             result["rotary_hooks"] = install_rotary_alignment(model)
         result["param_devices"] = sorted({str(p.device) for p in model.parameters()})

@@ -21,7 +21,7 @@ for _var in [v for v in os.environ if v.startswith("ATTNGUARD")]:
 os.environ["ATTNGUARD_LOG"] = "none"
 
 import attnguard  # noqa: E402
-from attnguard import events  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STANDINS = REPO / "tests" / "standins"

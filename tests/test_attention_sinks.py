@@ -18,7 +18,8 @@ import torch
 import transformers
 
 import attnguard
-from attnguard import events, fallback
+from attnguard import fallback
+from attnguard.observability import events
 
 B, S, H, HK, D = 2, 9, 4, 2, 8
 

@@ -495,7 +495,7 @@ def _check_that(import_name: str | None) -> Any:
 def test_an_error_that_is_not_the_package_import_propagates_unchanged(guard: Any) -> None:
     """Only the failure of transformers' own import of the package is answered; any other error
     of the check is transformers' and propagates as it is."""
-    from attnguard.patches import transformers_availability as ta
+    from attnguard.integrations.transformers import availability as ta
 
     try:
         check = ta._wrap_package_check(_check_that(None))

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import attnguard
-from attnguard import callguard, dtypes, events, registry_twin
+from attnguard import callguard, dtypes, kernels
 from attnguard.errors import AttnGuardError
+from attnguard.fallback import registry
+from attnguard.integrations.transformers import attention
+from attnguard.observability import events
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -70,10 +73,12 @@ def test_choose_dtype_prefers_autocast_then_module_then_half_input(guard):
 
 
 def test_half_dtype_follows_setting(guard):
-    attnguard.configure(dtype="fp16")
-    assert dtypes.half_dtype_for(torch.device("cpu")) == FP16
-    attnguard.configure(dtype="bf16")
-    assert dtypes.half_dtype_for(torch.device("cpu")) == BF16
+    assert (
+        dtypes.half_dtype_for(torch.device("cpu"), attnguard.configure(dtype="fp16").dtype) == FP16
+    )
+    assert (
+        dtypes.half_dtype_for(torch.device("cpu"), attnguard.configure(dtype="bf16").dtype) == BF16
+    )
 
 
 def test_module_dtype_reads_linear_weight_and_quantization_dtype():
@@ -118,7 +123,7 @@ def test_flash_mask_matches_brute_force(sq, sk, causal, window):
     pad = torch.ones(3, sk, dtype=torch.long)
     pad[0, :2] = 0  # left padding
     pad[1, -1] = 0  # right padding
-    keep, zero_rows, is_causal = registry_twin.flash_mask_for_sdpa(
+    keep, zero_rows, is_causal = registry.flash_mask_for_sdpa(
         pad,
         sq,
         sk,
@@ -138,9 +143,9 @@ def test_flash_mask_matches_brute_force(sq, sk, causal, window):
 
 def test_flash_mask_without_padding_uses_sdpa_causal_flag():
     cpu = torch.device("cpu")
-    assert registry_twin.flash_mask_for_sdpa(None, 5, 5, cpu, causal=True) == (None, None, True)
-    assert registry_twin.flash_mask_for_sdpa(None, 1, 5, cpu, causal=True) == (None, None, False)
-    keep, _, is_causal = registry_twin.flash_mask_for_sdpa(None, 2, 5, cpu, causal=True)
+    assert registry.flash_mask_for_sdpa(None, 5, 5, cpu, causal=True) == (None, None, True)
+    assert registry.flash_mask_for_sdpa(None, 1, 5, cpu, causal=True) == (None, None, False)
+    keep, _, is_causal = registry.flash_mask_for_sdpa(None, 2, 5, cpu, causal=True)
     assert not is_causal and torch.equal(keep[0, 0], brute_keep(torch.ones(1, 5), 2, 5, True)[0, 0])
 
 
@@ -148,7 +153,7 @@ def test_packed_sequences_from_position_ids_do_not_attend_across(guard):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 7, 8) for _ in range(3))
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1]])
-    out, _ = registry_twin.flash_call_on_sdpa(Attn(), q, k, v, None, (), {"position_ids": pos})
+    out, _ = registry.flash_call_on_sdpa(Attn(), q, k, v, None, (), {"position_ids": pos})
     seg = torch.tensor([0, 0, 0, 1, 1, 2, 2])
     keep = (seg[:, None] == seg[None, :]) & torch.ones(7, 7, dtype=torch.bool).tril()
     torch.testing.assert_close(out.double(), reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
@@ -180,14 +185,14 @@ def test_packed_sequences_from_position_ids_do_not_attend_across(guard):
     ],
 )
 def test_known_kernel_errors_are_classified_with_first_line(message, code):
-    got = callguard.classify_kernel_error(RuntimeError(message))
+    got = kernels.classify_kernel_error(RuntimeError(message))
     assert got == (code, message.splitlines()[0])
 
 
 def test_unknown_errors_and_other_types_are_not_recoverable():
-    assert callguard.classify_kernel_error(RuntimeError("CUDA out of memory")) is None
-    assert callguard.classify_kernel_error(KeyError("head dimension")) is None
-    assert callguard.classify_kernel_error(AttnGuardError("x", "head dimension", "y")) is None
+    assert kernels.classify_kernel_error(RuntimeError("CUDA out of memory")) is None
+    assert kernels.classify_kernel_error(KeyError("head dimension")) is None
+    assert kernels.classify_kernel_error(AttnGuardError("x", "head dimension", "y")) is None
 
 
 def _sdpa_entry():
@@ -202,7 +207,7 @@ def test_unknown_kernel_error_propagates_untouched(guard):
     def kernel(module, query, key, value, attention_mask, **kw):
         raise boom
 
-    fn = callguard.wrap_registry_entry("sdpa", kernel)
+    fn = attention.wrap_registry_entry("sdpa", kernel)
     q = torch.randn(1, 2, 4, 8)
     with events.capture() as seen, pytest.raises(RuntimeError) as info:
         fn(Attn(), q, q, q, None)
@@ -213,7 +218,7 @@ def test_unknown_kernel_error_propagates_untouched(guard):
 def test_no_sdpa_kernel_is_recovered_and_site_latched(guard):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    fn = callguard.wrap_registry_entry("sdpa", _sdpa_entry())
+    fn = attention.wrap_registry_entry("sdpa", _sdpa_entry())
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
     module = Attn()
@@ -248,7 +253,7 @@ def _mixed():
 
 def test_strict_mode_raises_instead_of_fixing(guard):
     attnguard.configure(mode="strict")
-    fn = callguard.wrap_registry_entry("sdpa", _sdpa_entry())
+    fn = attention.wrap_registry_entry("sdpa", _sdpa_entry())
     q, k, v = _mixed()
     with pytest.raises(AttnGuardError) as info:
         fn(Attn(BF16), q, k, v, None)
@@ -257,7 +262,7 @@ def test_strict_mode_raises_instead_of_fixing(guard):
 
 def test_warn_mode_reports_and_leaves_the_call_alone(guard):
     attnguard.configure(mode="warn")
-    fn = callguard.wrap_registry_entry("sdpa", _sdpa_entry())
+    fn = attention.wrap_registry_entry("sdpa", _sdpa_entry())
     q, k, v = _mixed()
     with events.capture() as seen, pytest.raises(RuntimeError, match="same dtype"):
         fn(Attn(BF16), q, k, v, None)
@@ -266,7 +271,7 @@ def test_warn_mode_reports_and_leaves_the_call_alone(guard):
 
 def test_disabled_remedy_is_not_applied(guard):
     attnguard.configure(disable="unify")
-    fn = callguard.wrap_registry_entry("sdpa", _sdpa_entry())
+    fn = attention.wrap_registry_entry("sdpa", _sdpa_entry())
     q, k, v = _mixed()
     with events.capture() as seen, pytest.raises(RuntimeError, match="same dtype"):
         fn(Attn(BF16), q, k, v, None)
@@ -274,7 +279,7 @@ def test_disabled_remedy_is_not_applied(guard):
 
 
 def test_inactive_guard_passes_calls_through(guard):
-    fn = callguard.wrap_registry_entry("sdpa", _sdpa_entry())
+    fn = attention.wrap_registry_entry("sdpa", _sdpa_entry())
     attnguard.deactivate()
     q, k, v = _mixed()
     with pytest.raises(RuntimeError, match="same dtype"):
@@ -283,7 +288,7 @@ def test_inactive_guard_passes_calls_through(guard):
 
 def test_internal_error_runs_the_original_and_reports_once(guard, monkeypatch):
     sdpa = _sdpa_entry()
-    fn = callguard.wrap_registry_entry("sdpa", sdpa)
+    fn = attention.wrap_registry_entry("sdpa", sdpa)
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     module = Attn()
     callguard.latched[("sdpa", Attn)] = "no_sdpa_kernel"  # forces the slow path and the twin
@@ -291,7 +296,7 @@ def test_internal_error_runs_the_original_and_reports_once(guard, monkeypatch):
     def broken(*a, **kw):
         raise ZeroDivisionError("bug in attnguard")
 
-    monkeypatch.setattr(callguard, "all_sdpa_backends", broken)
+    monkeypatch.setattr(attention, "all_sdpa_backends", broken)
     with events.capture() as seen:
         out, _ = fn(module, q, k, v, None)
         out2, _ = fn(module, q, k, v, None)
@@ -309,7 +314,7 @@ def test_fast_path_calls_the_original_unchanged(guard):
         calls.append((query, key, value, attention_mask, kw))
         return query.transpose(1, 2), None
 
-    fn = callguard.wrap_registry_entry("sdpa", kernel)
+    fn = attention.wrap_registry_entry("sdpa", kernel)
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     mask = torch.zeros(1, 1, 4, 4)
     with events.capture() as seen:
@@ -323,12 +328,12 @@ def test_sdpa_reroute_math_matches_reference_with_gqa_and_sinks():
     torch.manual_seed(2)
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     keep = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]
-    out = registry_twin.sdpa_bhsd(q, k, v, keep, dropout=0.0, scale=None, is_causal=False)
+    out = registry.sdpa_bhsd(q, k, v, keep, dropout=0.0, scale=None, is_causal=False)
     torch.testing.assert_close(out.double(), reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
-    eager, weights = registry_twin.eager_bhsd(q, k, v, keep, dropout=0.0, scale=None)
+    eager, weights = registry.eager_bhsd(q, k, v, keep, dropout=0.0, scale=None)
     torch.testing.assert_close(eager.double(), reference(q, k, v, keep), atol=1e-5, rtol=1e-5)
     assert weights.shape == (2, 4, 5, 5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 5))
     sinks = torch.zeros(4)  # a zero-logit sink takes e^0 of the mass from every row
-    _, w_sink = registry_twin.eager_bhsd(q, k, v, keep, dropout=0.0, scale=None, sinks=sinks)
+    _, w_sink = registry.eager_bhsd(q, k, v, keep, dropout=0.0, scale=None, sinks=sinks)
     assert bool((w_sink.sum(-1) < 1).all())

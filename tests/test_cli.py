@@ -21,7 +21,7 @@ COMMANDS = [[PY, "-m", "attnguard"]] + ([[str(SCRIPT)]] if SCRIPT.is_file() else
 # One process's events in a file: an activation, a change, its exit summary.
 EVENTS = """
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 attnguard.is_active()
 events.emit("backend_fallback", site="transformers.load", reason_code="package_missing",
             reason="flash-attn is not installed", applied=True)

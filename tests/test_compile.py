@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import attnguard
-from attnguard import callguard, events
+from attnguard import callguard
+from attnguard.observability import events
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
@@ -21,7 +22,7 @@ from transformers import (  # noqa: E402
     modeling_utils,  # noqa: E402
 )
 
-from attnguard.patches import transformers_attention  # noqa: E402
+from attnguard.integrations.transformers import interface  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -64,7 +65,7 @@ def _load(path, impl="sdpa", dtype=torch.float32):
 
 
 def _registry():
-    return transformers_attention.registry_mapping(modeling_utils)
+    return interface.registry_mapping(modeling_utils)
 
 
 def _break_sites(explained) -> list[str]:

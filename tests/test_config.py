@@ -217,7 +217,9 @@ def test_files_get_json_lines_whatever_the_console_format(tmp_path) -> None:
 def test_the_start_up_hook_watches_and_resolves_the_libraries_attnguard_patches() -> None:
     import _attnguard_hook
 
-    from attnguard.patches import INTEGRATIONS as PARTS
+    from attnguard.integrations import REGISTRY
 
-    targets = {target.partition(".")[0] for parts in PARTS.values() for _, target in parts}
+    switchable = [i for i in REGISTRY if i.switchable]
+    targets = {part.trigger.partition(".")[0] for i in switchable for part in i.parts}
     assert targets == set(INTEGRATIONS) == set(_attnguard_hook.LIBRARIES)
+    assert {i.name for i in switchable} == set(INTEGRATIONS)  # what ATTNGUARD_DISABLE names

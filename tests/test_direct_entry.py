@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import attnguard
-from attnguard import callguard, events, routing
+from attnguard import callguard, kernels, runtime
+from attnguard.observability import events
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 STANDINS = Path(__file__).resolve().parent / "standins"
@@ -222,11 +223,13 @@ def test_unknown_error_from_a_direct_entry_propagates(guard_active):
 
     entry = callguard.Entry(
         "flash_attn_func",
-        routing.FLASH_KERNEL,
+        kernels.EntryKind.FLASH_KERNEL,
         kernel,
         tensors=("q", "k", "v"),
         twin=kernel,
         site="test.kernel",
+        head_axis=3,
+        in_force=runtime.IN_FORCE,
     )
     fn = callguard.wrap_direct(entry)
     q = torch.empty(1, 4, 2, 8, dtype=BF16, device="meta")  # passes the fast checks
@@ -399,7 +402,7 @@ def test_var_attention_through_flash_attn(flash_standin):
 
 _NEWER_CHECK = (
     "import json, attnguard\n"
-    "from attnguard import events\n"
+    "from attnguard.observability import events\n"
     "with events.capture() as seen:\n"
     "    import flash_attn\n"
     "print(json.dumps({\n"
@@ -472,7 +475,7 @@ def test_a_newer_xformers_signature_is_left_alone(xformers_ops):
     re-patching leaves it as it is and says so once."""
     import functools
 
-    from attnguard.patches import xformers as patch_xformers
+    from attnguard.integrations.xformers import entries as patch_xformers
 
     fmha = xformers_ops.fmha
     assert hasattr(xformers_ops.memory_efficient_attention, "__attnguard_original__")

@@ -13,7 +13,7 @@ import structlog
 from conftest import FIXED, PY, subprocess_env
 
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 
 def test_every_event_carries_the_fixed_fields(guard, captured) -> None:
@@ -134,7 +134,7 @@ def test_summary_at_exit_in_a_fresh_process(tmp_path: Path) -> None:
     log = tmp_path / "ev.jsonl"
     code = (
         "import attnguard\n"
-        "from attnguard import events\n"
+        "from attnguard.observability import events\n"
         "for _ in range(3):\n"
         "    events.emit('qkv_unified', site='s', reason_code='mixed_dtypes', reason='x',"
         " applied=True)\n"
@@ -173,7 +173,7 @@ def test_warn_mode_summary_says_nothing_was_applied(tmp_path: Path) -> None:
     log = tmp_path / "ev.jsonl"
     code = (
         "import attnguard\n"
-        "from attnguard import events\n"
+        "from attnguard.observability import events\n"
         "for _ in range(2):\n"
         "    events.emit('backend_fallback', site='t', reason_code='package_missing', reason='y',"
         " applied=False)\n"

@@ -24,7 +24,8 @@ import torch
 import transformers
 from conftest import PY, REPO, STANDINS, subprocess_env
 
-from attnguard import events, facts
+from attnguard import facts
+from attnguard.observability import events
 
 EXAMPLES = REPO / "examples"
 BROKEN_DIR = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
@@ -187,7 +188,7 @@ def test_quickstart_falls_back_and_generates() -> None:
     run = run_example("quickstart.py")
     caused = run.caused()
     assert [e["event"] for e in caused] == ["backend_fallback"]
-    assert caused[0]["selected"] == "sdpa" and caused[0]["rule"] == "flash-on-sdpa"
+    assert caused[0]["selected"] == "sdpa_twin" and caused[0]["rule"] == "flash-on-sdpa"
     # what happens without attnguard, then which kernel computes the flash path's calls
     assert "without attnguard: ImportError: " in run.stdout
     assert "attention backend" not in run.stdout
@@ -202,7 +203,9 @@ def test_family_a_runs_on_sdpa_here_and_plans_the_placement_on_a_gpu() -> None:
     (fallback,) = run.caused()
     assert fallback["reason_code"] == _flash_status().reason_code
     assert fallback["model"] == "Qwen2_5_VLForConditionalGeneration"
-    assert fallback["requested"] == "flash_attention_2" and fallback["selected"] == "sdpa"
+    assert fallback["requested"] == "flash_attention_2"
+    # attnguard's twins keep the flash path (flash-on-sdpa), or the model loads with sdpa
+    assert fallback["selected"] == ("sdpa_twin" if fallback["rule"] == "flash-on-sdpa" else "sdpa")
     assert "without attnguard: " in run.stdout and "Error" in run.stdout.split("without")[1]
     # transformers' flash path on the SDPA twins where attnguard can provide them for this model
     # class (not Qwen2.5-VL's fixed flash classes on 4.49-4.52): else transformers' sdpa path
@@ -248,7 +251,7 @@ def test_family_d_unifies_dtypes_and_carries_xformers_on_sdpa() -> None:
     assert unified["site"] == rerouted["site"] == site
     assert unified["from"] == {"query": "float32", "key": "float32", "value": "bfloat16"}
     assert unified["to"] == "bfloat16"
-    assert rerouted["reason_code"] == "cpu_tensors" and rerouted["selected"] == "sdpa"
+    assert rerouted["reason_code"] == "cpu_tensors" and rerouted["selected"] == "sdpa_twin"
     assert "Query/Key/Value should either all have the same dtype" in run.stdout
     close_to_reference(run, 0.02)  # bf16 inputs; a lost block-causal mask costs ~1.0
 

@@ -23,7 +23,7 @@ PROGRAM = """
 import os, sys
 if os.environ.get("ATTNGUARD") == "1":
     import attnguard
-    from attnguard import events
+    from attnguard.observability import events
 
     attnguard.is_active()  # under the start-up hook, using the API activates
     if sys.argv[1] == "event":

@@ -21,7 +21,7 @@ import torch, torch.distributed as dist, transformers
 
 guarded = os.environ.get("ATTNGUARD") == "1"
 if guarded:
-    from attnguard import summary
+    from attnguard.observability import summary
     summary.GATHER_TIMEOUT_S = 3600.0  # a wait for anyone shows as a hang
 
 dist.init_process_group("gloo")

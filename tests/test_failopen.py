@@ -19,8 +19,8 @@ import pytest
 from conftest import PY, REPO, STANDINS, subprocess_env
 
 import attnguard
-from attnguard import events
-from attnguard.patching import fail_open, report_internal_error
+from attnguard.failopen import fail_open, report_internal_error
+from attnguard.observability import events
 
 HOOK_DIR = REPO / "hook"
 
@@ -483,7 +483,7 @@ def test_records_reach_the_app_whose_record_factory_sets_rank_and_host(
     assert (rec.rank, rec.host) == ("app-rank-3", "app-host")  # the app's own, untouched
     assert (rec.ag_rank, rec.ag_host) == (3, events._HOST)  # attnguard's, renamed
     assert rec.world_size == 4 and not hasattr(rec, "ag_world_size")
-    assert rec.selected == "sdpa" and rec.getMessage().startswith("backend_fallback: ")
+    assert rec.selected == "sdpa_twin" and rec.getMessage().startswith("backend_fallback: ")
 
 
 # --- 6. the error reporter itself ----------------------------------------------------------------
@@ -536,8 +536,8 @@ def test_an_exception_without_a_message_is_reported(guard, captured) -> None:
 PATCH_FAILS = """
 import sys
 import attnguard
-from attnguard import events
-import attnguard.patches.transformers as integration
+from attnguard.observability import events
+import attnguard.integrations.transformers.modeling as integration
 
 class Unprintable(Exception):
     def __str__(self):
@@ -563,7 +563,7 @@ def test_a_failing_patch_never_breaks_the_users_import(how: str) -> None:
     res = run_py(PATCH_FAILS, how, env=env_for(ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json"))
     assert res.returncode == 0, res.stderr[-3000:]
     # the failing part is not patched; the other part of the integration patches on its own
-    assert res.stdout == "imported ['attnguard.patches.transformers_availability']\n"
+    assert res.stdout == "imported ['attnguard.integrations.transformers.availability']\n"
     errors = [
         json.loads(line)
         for line in res.stderr.splitlines()

@@ -25,14 +25,14 @@ import pytest
 from conftest import PY, subprocess_env
 
 import attnguard
-from attnguard import summary
+from attnguard.observability import summary
 
 # Two ranks that each record changes and end; rank 0 ends after rank 1 did its work (what a
 # job's collectives see to), with no process group: the ranks meet through files at exit.
 WORKER = """
 import os, sys, time
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 attnguard.is_active()  # under the start-up hook: activates at the first use of the API
 
@@ -107,7 +107,7 @@ def meeting_place(log_dir: Path, port: int, work: Path) -> str:
     """The rendezvous directory of a job that run_job starts: asked of a child of this
     process, as the ranks are (their launcher is part of the name)."""
     env = job_env(log_dir, port, 1, ATTNGUARD="0", XDG_RUNTIME_DIR=str(private_run_dir(work)))
-    code = "from attnguard import summary; print(summary.job_dir_path())"
+    code = "from attnguard.observability import summary; print(summary.job_dir_path())"
     res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
@@ -375,7 +375,7 @@ sys.exit(max(codes))
 RANK = """
 import os, time
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 attnguard.is_active()  # under the start-up hook, using the API activates
 

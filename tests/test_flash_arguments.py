@@ -29,7 +29,7 @@ import transformers
 from conftest import tiny_config
 
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 FLASH = "flash_attention_2"
 
@@ -134,7 +134,7 @@ def test_sinks_a_model_passes_are_computed_or_stepped_aside_for(guard: Any, tmp_
     """A model whose attention passes sinks (``s_aux``): computed where the release's flash path
     hands them to the twins (they move the logits); where it does not (4.49), the forward fails
     with the kernel's own error and one event names ``s_aux``."""
-    from attnguard.patches import transformers_arguments
+    from attnguard.integrations.transformers import arguments as transformers_arguments
 
     torch.manual_seed(0)
     SinkLlama(tiny_config("llama")).save_pretrained(tmp_path)

@@ -30,7 +30,7 @@ from workers.semantics_worker import (  # the GPU comparison's checkpoints
 )
 
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 FLASH = "flash_attention_2"
 
@@ -55,7 +55,7 @@ def load_flash(path: Any) -> Any:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=FLASH)
     assert model.config._attn_implementation == FLASH, "flash's code path is kept"
     (fallback,) = [e for e in seen if e["event"] == "backend_fallback"]
-    assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa"
+    assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa_twin"
     return model.eval()
 
 

@@ -71,7 +71,7 @@ def test_a_thread_importing_asyncio_while_the_hook_activates() -> None:
     for got in sweep("hook", "transformers", "asyncio", OFFSETS):
         assert got["imports"] == {"transformers": "ok", "asyncio": "ok"}
         assert got["active"] is True
-        assert "attnguard.patches.transformers_availability" in got["patched"]
+        assert "attnguard.integrations.transformers.availability" in got["patched"]
 
 
 @needs_hook
@@ -98,9 +98,10 @@ def test_two_threads_importing_transformers_and_modeling_utils(
     ``import attnguard``); both orders. Both integrations' parts end up patched."""
     target = "transformers.modeling_utils"
     assert unguarded_imports["transformers"] == "ok"
-    patched = ["attnguard.patches.transformers_availability"]
+    patched = ["attnguard.integrations.transformers.availability"]
     if unguarded_imports[target] == "ok":  # not without torch (a Python torch has no build for)
-        patched.insert(0, "attnguard.patches.transformers")
+        patched.append("attnguard.integrations.transformers.modeling")
+    patched.sort()  # as the worker reports them
     for got in sweep(entry, "transformers", target, (-20, 5, 30)):
         assert got["imports"] == unguarded_imports
         assert got["active"] is True

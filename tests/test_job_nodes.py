@@ -29,7 +29,7 @@ import os, sys
 import torch, torch.distributed as dist, transformers
 
 if os.environ.get("ATTNGUARD") == "1":
-    from attnguard import summary
+    from attnguard.observability import summary
 
     summary.GATHER_TIMEOUT_S = float(os.environ["GATHER_TIMEOUT"])
 dist.init_process_group("gloo")

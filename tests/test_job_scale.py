@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 from conftest import REPO
 
-from attnguard import jobstore
+from attnguard.observability import jobstore
 
 
 def _bench() -> ModuleType:

@@ -26,7 +26,7 @@ import torch
 from conftest import PY, REPO, STANDINS, subprocess_env
 
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 from attnguard.selection import buckets, cache, decisions, race
 from attnguard.selection.buckets import REQUESTED
 from attnguard.selection.race import Measured
@@ -57,7 +57,7 @@ def test_the_switch_is_off_by_default_and_validated(monkeypatch, capsys):
 _CPU_PROGRAM = r"""
 import json, sys, torch
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 from flash_attn import flash_attn_func, flash_attn_varlen_func
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(3))
@@ -720,7 +720,7 @@ import json, os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 from attnguard.selection import cache, decisions
 from types import SimpleNamespace
 case, rank = sys.argv[1], dist.get_rank()
@@ -865,7 +865,7 @@ def signed(monkeypatch):
     """A guarded flash_attn_func (a recording kernel) under fastest on CPU: meta tensors stand
     in for CUDA ones, every bucket is decided for a winner that records too, and each bucket
     computed is counted."""
-    from attnguard import callguard, routing
+    from attnguard import callguard, kernels, runtime
 
     ran: list[tuple[str, int]] = []
 
@@ -897,12 +897,14 @@ def signed(monkeypatch):
     monkeypatch.setattr(race, "implementations", lambda *a: {"sdpa": winner})
     entry = callguard.Entry(
         "flash_attn_func",
-        routing.FLASH_KERNEL,
+        kernels.EntryKind.FLASH_KERNEL,
         original,
         tensors=("q", "k", "v"),
         twin=original,
         site="flash_attn.flash_attn_func",
         aux=("alibi_slopes",),
+        head_axis=3,
+        in_force=runtime.IN_FORCE,
     )
     decisions.reset()
     attnguard.activate(log="none", kernel="fastest")

@@ -32,7 +32,9 @@ from conftest import (
 from packaging.version import Version
 
 import attnguard
-from attnguard import AttnGuardError, events, facts, remedies
+from attnguard import AttnGuardError, facts
+from attnguard.integrations.transformers import apply
+from attnguard.observability import events
 from attnguard.plan import LoadRequest, Plan, plan_load
 
 tf_version = Version(transformers.__version__)
@@ -61,7 +63,7 @@ def attn_everywhere(model: Any) -> set[str]:
     configs of PreTrainedModel sub-modules)."""
     return {
         getattr(c, "_attn_implementation_internal", None)
-        for c in remedies._all_configs(model)
+        for c in apply.all_configs(model)
         if getattr(c, "_attn_implementation_internal", None) is not None
     }
 
@@ -75,16 +77,18 @@ def assert_one_fallback(evts: list[dict[str, Any]], site: str, status: facts.Bac
     (e,) = only(evts, "backend_fallback")
     assert e["site"] == site
     assert e["reason_code"] == status.reason_code
-    assert e["requested"] == FLASH and e["selected"] == "sdpa"
+    assert e["requested"] == FLASH
+    # attnguard's twins keep the flash path (flash-on-sdpa), or the model loads with sdpa
+    assert e["selected"] == ("sdpa_twin" if e["rule"] == "flash-on-sdpa" else "sdpa")
     assert e["applied"] is True
     assert status.reason in e["reason"]
 
 
 def on_twins(cls: Any) -> bool:
     """This release's SDPA twins carry ``cls``'s flash code path (else: transformers' sdpa)."""
-    from attnguard.patches import transformers_kernels
+    from attnguard.integrations.transformers import flash_path
 
-    return transformers_kernels.covers(cls)
+    return flash_path.covers(cls)
 
 
 def expected_attn(cls: Any) -> set[str]:
@@ -164,7 +168,7 @@ def test_guard_model_on_a_model_that_got_flash_past_the_gate(
     torch.manual_seed(0)
     model = tiny_model_class(family)(tiny_config(family, attn_implementation="sdpa"))
     reference = logits_of(model, family)
-    for cfg in remedies._all_configs(model):
+    for cfg in apply.all_configs(model):
         cfg._attn_implementation_internal = FLASH
     attnguard.guard_model(model)
     assert attn_everywhere(model) == expected_attn(type(model))
@@ -320,14 +324,14 @@ def test_off_and_deactivated_change_nothing(tiny_checkpoint: Any) -> None:
 
 
 def remedies_patched() -> list[str]:
-    from attnguard.patches import transformers_loading
+    from attnguard.integrations.transformers import loading as transformers_loading
 
     return [a for a, _ in transformers_loading._TARGETS if a in vars(transformers.PreTrainedModel)]
 
 
 @pytest.mark.smoke
 def test_patches_land_on_every_entry_point_and_come_off(guard: Any) -> None:
-    from attnguard.patches import transformers_loading
+    from attnguard.integrations.transformers import loading as transformers_loading
 
     patched = {r.attr for r in transformers_loading.ledger.records}
     gate = (
@@ -388,7 +392,7 @@ def test_disabled_fallback_only_observes(
 def test_internal_failure_is_reported_and_the_original_runs(
     tiny_checkpoint: Any, guard: Any, captured: list[dict[str, Any]], monkeypatch: Any
 ) -> None:
-    def broken() -> facts.Facts:
+    def broken(settings: Any = None) -> facts.Facts:
         raise RuntimeError("facts exploded")
 
     monkeypatch.setattr(facts, "current", broken)
@@ -398,7 +402,7 @@ def test_internal_failure_is_reported_and_the_original_runs(
     assert model.config._attn_implementation == "sdpa"
     errors = only(captured, "internal_error")
     assert len(errors) == 1 and errors[0]["reason_code"] == "RuntimeError"
-    assert errors[0]["location"].startswith("attnguard/remedies.py:")
+    assert errors[0]["location"].startswith("attnguard/integrations/transformers/apply.py:")
     assert "facts exploded" not in json.dumps(errors[0])  # the type and place, not the text
 
 
@@ -409,7 +413,7 @@ def test_a_load_failing_with_injected_kwargs_is_retried_unchanged(
     reported and the caller's own call runs."""
     flash_status()
     bad = Plan(LoadRequest(attn_implementation="sdpa"), device="cuda:7")
-    monkeypatch.setattr(remedies, "plan_load", lambda *a, **k: _with_change(bad))
+    monkeypatch.setattr(apply, "plan_load", lambda *a, **k: _with_change(bad))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tiny_checkpoint("llama"), attn_implementation="sdpa"
     )
@@ -426,7 +430,16 @@ def _cast_plan(*_a: Any, **_k: Any) -> Plan:
 
     from attnguard.plan import Action
 
-    cast = Action("fp32-cast", "model_cast", "flash_needs_half", "test", "cast", "", "f32", "bf16")
+    cast = Action(
+        rule="fp32-cast",
+        event="model_cast",
+        reason_code="flash_needs_half",
+        problem="test",
+        remedy="cast",
+        target="",
+        before="f32",
+        after="bf16",
+    )
     return replace(Plan(LoadRequest(attn_implementation="sdpa"), dtype="bfloat16"), actions=(cast,))
 
 
@@ -453,7 +466,7 @@ def test_out_of_memory_inside_a_changed_load_is_not_retried(
         calls.append(1)
         raise error
 
-    monkeypatch.setattr(remedies, "plan_load", _cast_plan)
+    monkeypatch.setattr(apply, "plan_load", _cast_plan)
     monkeypatch.setattr(transformers.PreTrainedModel, "_load_pretrained_model", failing)
     with pytest.raises(type(error)) as got:
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -488,11 +501,11 @@ def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
         "`pip install accelerate`"
     )
     caller = {"device_map": "auto"}
-    assert not remedies.could_be_ours(ValueError(msg), caller, {**caller, "dtype": "bf16"})
-    assert remedies.could_be_ours(ValueError(msg), {}, {"device_map": {"": "cuda:0"}})
+    assert not apply.could_be_ours(ValueError(msg), caller, {**caller, "dtype": "bf16"})
+    assert apply.could_be_ours(ValueError(msg), {}, {"device_map": {"": "cuda:0"}})
     oom = torch.OutOfMemoryError("CUDA out of memory")
-    assert not remedies.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
-    assert not remedies.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
+    assert not apply.could_be_ours(oom, {}, {"device_map": {"": "cuda:0"}})
+    assert not apply.could_be_ours(FileNotFoundError("config.json"), {}, {"dtype": "bf16"})
 
 
 def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
@@ -528,7 +541,7 @@ def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
 def test_an_internal_error_event_never_carries_the_exception_text(
     guard: Any, captured: list[dict[str, Any]]
 ) -> None:
-    from attnguard.patching import report_internal_error
+    from attnguard.failopen import report_internal_error
 
     try:
         {}["/home/alice/private/model-token=hf_SECRET123"]
@@ -546,7 +559,14 @@ def _with_change(plan: Plan) -> Plan:
     from attnguard.plan import Action
 
     action = Action(
-        "place-gpu", "model_placed", "flash_needs_gpu", "test", "place", "", "cpu", "cuda:7"
+        rule="place-gpu",
+        event="model_placed",
+        reason_code="flash_needs_gpu",
+        problem="test",
+        remedy="place",
+        target="",
+        before="cpu",
+        after="cuda:7",
     )
     return replace(plan, actions=(action,))
 
@@ -567,7 +587,7 @@ def test_strict_mode_names_the_gpu_remedy_from_the_checkpoint_dtype(
     mode would apply: the cast for an fp32 load (4.x default, or a 5.x "auto" fp32 checkpoint),
     else the placement on cuda:0."""
     h100 = facts.synthetic(((9, 0),), installed={FLASH: "2.8.3"}, gpu_name="H100")
-    monkeypatch.setattr(facts, "current", lambda: h100)
+    monkeypatch.setattr(facts, "current", lambda settings=None: h100)
     guard(mode="strict")
     with pytest.raises(AttnGuardError) as err:
         transformers.AutoModelForCausalLM.from_pretrained(
@@ -584,12 +604,12 @@ def test_load_kwargs_use_the_dtype_keyword_of_this_version() -> None:
     h100 = facts.synthetic(((9, 0),), installed={FLASH: "2.8.3"})
     request = LoadRequest(model="M", attn_implementation=FLASH, dtype=None)
     plan = plan_load(request, h100, attnguard.Settings())
-    new = remedies.load_kwargs(plan, {"attn_implementation": FLASH})
+    new = apply.load_kwargs(plan, {"attn_implementation": FLASH})
     key = "torch_dtype" if tf_version < Version("4.56") else "dtype"
     assert new[key] is torch.bfloat16 and new["device_map"] == {"": "cuda:0"}
     assert new["attn_implementation"] == FLASH
     if tf_version >= Version("4.56"):  # the caller's own (deprecated) spelling is kept
-        kept = remedies.load_kwargs(plan, {"torch_dtype": torch.float32})
+        kept = apply.load_kwargs(plan, {"torch_dtype": torch.float32})
         assert kept["torch_dtype"] is torch.bfloat16 and "dtype" not in kept
 
 
@@ -601,7 +621,8 @@ _BROKEN_SCRIPT = textwrap.dedent(
     """
     import json, sys, tempfile, torch, transformers
     import attnguard
-    from attnguard import events, facts
+    from attnguard.observability import events
+    from attnguard import facts
     from conftest import tiny_config, tiny_inputs, tiny_model_class, logits_of
     out = {"transformers": transformers.__version__}
     status = facts.current().backend("flash_attention_2")
@@ -624,8 +645,8 @@ _BROKEN_SCRIPT = textwrap.dedent(
         real = tiny_inputs("llama")["attention_mask"].bool()  # flash leaves padding rows zero
         lg = logits_of(m, "llama")
         out["close"] = bool(torch.allclose(lg[real], ref[real], atol=2e-5, rtol=1e-4))
-        from attnguard.patches import transformers_kernels
-        on_twins = transformers_kernels.covers(type(m))
+        from attnguard.integrations.transformers import flash_path
+        on_twins = flash_path.covers(type(m))
         out["expected_attn"] = "flash_attention_2" if on_twins else "sdpa"
         out["attn"] = m.config._attn_implementation
         torch.manual_seed(0)

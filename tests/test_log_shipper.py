@@ -23,7 +23,7 @@ RSYSLOGD = shutil.which("rsyslogd") or (
 WORKER = """
 import torch.distributed as dist
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -15,16 +15,18 @@ import torch
 import transformers
 from packaging.version import Version
 
-from attnguard import events
-from attnguard.multigpu import (
-    SPREADING_DEVICE_MAPS,
-    estimate_model_bytes,
+from attnguard.integrations.transformers.rotary import (
     install_rotary_alignment,
     model_devices,
+    remove_rotary_alignment,
+)
+from attnguard.observability import events
+from attnguard.plan.device_map import (
+    SPREADING_DEVICE_MAPS,
+    estimate_model_bytes,
     parse_bytes,
     plan_device_map,
     plan_from_environment,
-    remove_rotary_alignment,
 )
 
 GiB = 2**30
@@ -481,7 +483,7 @@ def test_qwen2_vl_rotary_with_3d_position_ids(tmp_path, guard, captured) -> None
 
 
 def test_hook_error_fails_open(tmp_path, guard, captured, monkeypatch) -> None:
-    from attnguard import multigpu
+    from attnguard.integrations.transformers import rotary
 
     model = _tiny_llama(tmp_path)
     _split_over_cpu_and_meta(model)
@@ -490,7 +492,7 @@ def test_hook_error_fails_open(tmp_path, guard, captured, monkeypatch) -> None:
     def broken(*_a: Any, **_k: Any) -> Any:
         raise KeyError("bug in attnguard")
 
-    monkeypatch.setattr(multigpu, "_target_device", broken)
+    monkeypatch.setattr(rotary, "_target_device", broken)
     rotary = _decoder(model).rotary_emb
     x, pos = torch.randn(1, 4, 32), torch.arange(4)[None]
     cos, _ = rotary(x, pos)  # the original forward ran with its own inputs

@@ -23,8 +23,8 @@ import pytest
 from conftest import FIXED, REPO
 
 import attnguard
-from attnguard import events, summary
-from attnguard.patching import report_internal_error
+from attnguard.failopen import report_internal_error
+from attnguard.observability import events, summary
 
 DOC = REPO / "docs" / "observability.md"
 
@@ -354,7 +354,7 @@ def _example_fields(name: str) -> dict[str, Any]:
 
 def code_for(event: str) -> str:
     """A reason code of the vocabulary that this event carries (internal_error: a type name)."""
-    from attnguard.reasons import REASONS
+    from attnguard.observability.reasons import REASONS
 
     return next((r.code for r in REASONS.values() if event in r.events), "ValueError")
 
@@ -605,6 +605,6 @@ def test_the_example_line_has_every_fixed_field_first_and_in_order() -> None:
     block = text.split("An example line", 1)[1].split("```json\n", 1)[1].split("\n```", 1)[0]
     example = json.loads(block)
     assert list(example)[: len(FIXED)] == FIXED
-    from attnguard.eventfiles import is_process_id
+    from attnguard.observability.eventfiles import is_process_id
 
     assert is_process_id(example["proc"])  # what attnguard summary takes as a process id

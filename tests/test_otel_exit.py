@@ -147,7 +147,7 @@ def test_the_job_summary_reaches_rank_0s_exporter_after_destroy(
 THREADED = """
 import threading, time
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 
 def late_work():

@@ -1,6 +1,6 @@
 """The package a team adopts: what its sdist holds, what pyproject declares, and the fixed words of
 README.md that come from somewhere else (the supported matrix of attnguard/support.py, the
-windows of attnguard.patches.SUPPORTED, the pins of scripts/test.sh and .ci/run, the public API,
+windows the integrations declare (attnguard.integrations.REGISTRY), the pins of scripts/test.sh and .ci/run, the public API,
 the settings, the event schema). Each test reads the files as a user would and fails when one of
 them says something the others do not."""
 
@@ -16,8 +16,9 @@ import pytest
 from conftest import FIXED, PY, REPO, subprocess_env
 
 import attnguard
-from attnguard import config, events, support
-from attnguard.patches import SUPPORTED
+from attnguard import config, support
+from attnguard.integrations import by_name
+from attnguard.observability import events
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -124,12 +125,12 @@ def requirement(spec: str) -> tuple[str, str]:
 
 
 def test_extras_install_only_versions_the_guard_patches() -> None:
-    """An extra derived from attnguard.patches.SUPPORTED: pip cannot install a flash-attn or
+    """An extra derived from the integration's declared window: pip cannot install a flash-attn or
     xformers that the integration then declines to patch."""
     extras = PYPROJECT["project"]["optional-dependencies"]
     for extra, integration in (("flash", "flash_attn"), ("xformers", "xformers")):
-        dist, low, high = SUPPORTED[integration]
-        want = (dist, f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}")
+        declared = by_name(integration)
+        want = (declared.distribution, declared.window())
         assert [requirement(r) for r in extras[extra]] == [want], extra
 
 

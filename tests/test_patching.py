@@ -6,8 +6,9 @@ import types
 
 import pytest
 
-from attnguard import events
-from attnguard.patching import Ledger, fail_open
+from attnguard.failopen import fail_open
+from attnguard.integrations.ledger import Ledger
+from attnguard.observability import events
 
 
 class Owner:

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from attnguard import doctor, events
+from attnguard import doctor
 from attnguard import facts as F
 from attnguard.config import Settings
+from attnguard.observability import events
 from attnguard.plan import TABLE, LoadRequest, Plan, plan_backend, plan_load
 
 FLASH = "flash_attention_2"
@@ -671,7 +672,7 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         [PLACE, ("remedy-disabled", "observed", "flash_needs_half")],
         (FLASH, None, None, "cuda:0"),
     ),
-    # --- family C: several processes with a spreading device_map (attnguard.multigpu) ------------
+    # --- family C: several processes with a spreading device_map (attnguard.plan.device_map) ------------
     (
         "torchrun x2, device_map=auto: one replica per rank",
         machine("H100", n=2, launch=F.Launch(1, 1, 2)),
@@ -812,11 +813,20 @@ def test_effective_dtype() -> None:
 
 
 def test_doctor_json_plans_with_the_guard_planner() -> None:
+    """The plan doctor shows is the planner's for the request it names, on this machine's facts
+    with the settings a guarded run here would use (built here from the public pieces, not from
+    doctor's own helpers)."""
+    from attnguard import config
+    from attnguard.plan import flash_fp32_request
+
     data = json.loads(doctor.render(as_json=True))
     here = F.current()
-    expected = plan_load(
-        doctor._sample_request(doctor.collect()["flash_path"]), here, doctor._settings()
-    ).as_dict()
+    path = data["flash_path"]
+    request = flash_fp32_request(
+        flash_path_on_twins=path["kept_on_twins"], flash_path_unrecognised=path["why"]
+    )
+    expected = plan_load(request, here, config.load()).as_dict()
+    assert data["sample_request"] == "flash_attention_2 + float32 + no device_map"
     assert data["sample_plan"] == json.loads(json.dumps(expected, default=str))
     assert [r["id"] for r in data["decision_table"]] == [r.id for r in TABLE]
     assert set(data["facts"]["backends"]) == set(F.BACKENDS)
@@ -830,11 +840,13 @@ def test_doctor_text_lists_facts_table_and_plan() -> None:
     for name in F.BACKENDS:
         assert name in text
     assert "Plan for flash_attention_2 + float32 + no device_map" in text
-    plan = plan_load(
-        doctor._sample_request(doctor.collect()["flash_path"]), F.current(), doctor._settings()
-    )
-    for action in plan.actions:
-        assert action.reason() in text
+    for action in json.loads(doctor.render(as_json=True))["sample_plan"]["actions"]:
+        assert action["reason"] in text
+    # which kernel computes a call, and why: the questions in the order they are asked
+    from attnguard.kernels import QUESTIONS
+
+    at = [text.index(question) for _, question, _ in QUESTIONS]
+    assert at == sorted(at)
 
 
 def test_doctor_cli(capsys: Any) -> None:

@@ -26,12 +26,12 @@ sys.exit(subprocess.call([sys.executable, *sys.argv[1:]]))
 RANK = """
 import os, subprocess, sys
 import transformers  # the guard activates here
-from attnguard import events
+from attnguard.observability import events
 
 events.emit("qkv_unified", site="rank", reason_code="mixed_dtypes", reason="x", applied=True)
 # a helper of this rank: a tokenizer-like subprocess that changes something too
 helper = (
-    "import attnguard; attnguard.is_active(); from attnguard import events; "
+    "import attnguard; attnguard.is_active(); from attnguard.observability import events; "
     "events.emit('qkv_unified', site='helper', reason_code='mixed_dtypes', reason='x', "
     "applied=True)"
 )

@@ -21,7 +21,7 @@ import pytest
 from conftest import PY, REPO, names, subprocess_env
 
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 
 HOOK_DIR = REPO / "hook"
 
@@ -215,7 +215,7 @@ def test_a_forked_worker_is_a_helper(tmp_path: Path) -> None:
         ("qkv_unified", pid, True),
         ("qkv_unified", os.getpid(), None),
     ]
-    from attnguard import eventfiles
+    from attnguard.observability import eventfiles
 
     merged = eventfiles.merge_records(recs)
     assert merged["applied"] == 2  # the worker's and the main process's, not max() of them

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 import attnguard
-from attnguard import callguard, events
-from attnguard.patches import transformers_attention
+from attnguard import callguard
+from attnguard.integrations.transformers import attention as transformers_attention
+from attnguard.integrations.transformers import interface
+from attnguard.observability import events
 
 transformers = pytest.importorskip("transformers")
 from transformers import modeling_utils  # noqa: E402
@@ -36,7 +38,7 @@ def guard():
 
 
 def registry() -> dict:
-    return transformers_attention.registry_mapping(modeling_utils)
+    return interface.registry_mapping(modeling_utils)
 
 
 def reference(q, k, v, keep=None, scale=None):
@@ -245,7 +247,7 @@ def _flash_entry_with_fake_kernel():
         got.append(query.dtype)
         return torch.zeros_like(query).transpose(1, 2), None
 
-    return callguard.wrap_registry_entry("flash_attention_2", kernel), got
+    return transformers_attention.wrap_registry_entry("flash_attention_2", kernel), got
 
 
 @pytest.mark.smoke
@@ -266,7 +268,7 @@ def test_flash_cannot_take_is_rerouted_with_reason(guard, reason, shape, mask, k
     assert got == []  # the flash path never ran
     assert out.shape == (shape[0], shape[2], shape[1], shape[3])
     assert [(e["event"], e["reason_code"], e["selected"]) for e in seen] == [
-        ("backend_rerouted", reason, "sdpa")
+        ("backend_rerouted", reason, "sdpa_twin")
     ]
 
 

@@ -52,7 +52,7 @@ def test_a_process_that_imports_no_guarded_library_imports_only_the_watcher(
     outside = {m for m in added if m.partition(".")[0] not in ("attnguard", "_attnguard_hook")}
     assert outside <= set(sys.stdlib_module_names), outside
     # nothing of the machinery, nor what it would pull in
-    heavy = {"attnguard.runtime", "attnguard.events", "wrapt", "structlog", "typing"}
+    heavy = {"attnguard.runtime", "attnguard.observability.events", "wrapt", "structlog", "typing"}
     assert not added & (heavy | {"dataclasses", "re", "threading", "importlib.metadata"})
     assert not list(tmp_path.iterdir())  # no log file for a process with nothing to log
 
@@ -137,7 +137,7 @@ import os, subprocess, sys
 # as Ray starts actors: a child of the guarded driver, with the driver's launch identity at
 # start-up, that sets a rank of its own before it imports anything to guard
 child = "import os; os.environ.update(RANK='1', WORLD_SIZE='2'); import attnguard; " \
-        "from attnguard import events; attnguard.is_active(); print('HELPER', events.is_helper())"
+        "from attnguard.observability import events; attnguard.is_active(); print('HELPER', events.is_helper())"
 out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
 print(out.stdout.strip())
 import transformers.modeling_utils

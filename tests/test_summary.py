@@ -15,14 +15,14 @@ from typing import Any
 
 from conftest import PY, subprocess_env
 
-from attnguard import eventfiles, events, summary
-from attnguard.eventfiles import Key
+from attnguard.observability import eventfiles, events, summary
+from attnguard.observability.eventfiles import Key
 
 # A worker: activates attnguard from the environment, emits what its rank would see, exits.
 WORKER = """
 import os, sys, time
 import attnguard
-from attnguard import events, summary
+from attnguard.observability import events, summary
 
 summary.GATHER_TIMEOUT_S = float(os.environ.get("GATHER_TIMEOUT", "10"))
 rank = int(os.environ["RANK"])
@@ -341,7 +341,7 @@ def test_without_a_job_identity_rank0_says_why_it_has_no_job_summary(tmp_path: P
 def test_every_change_the_guard_makes_has_a_hint() -> None:
     """Each reason code of a change (not an observation) says what to change in your own code
     (the vocabulary's completeness against the code is tests/test_vocabulary.py)."""
-    from attnguard.reasons import REASONS
+    from attnguard.observability.reasons import REASONS
 
     changes = ("observed", "activated", "summary")
     missing = [

@@ -20,8 +20,8 @@ from conftest import PY, subprocess_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attnguard import eventfiles
-from attnguard.eventfiles import Malformed
+from attnguard.observability import eventfiles
+from attnguard.observability.eventfiles import Malformed
 
 GOOD = {
     "schema": 1,

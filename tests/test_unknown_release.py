@@ -108,16 +108,22 @@ def test_the_probe_is_silent_and_leaves_the_program_alone() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import attnguard
-    from attnguard import events
-    from attnguard.patches import transformers_kernels, transformers_probe
+    from attnguard.integrations.transformers import flash_path
+    from attnguard.integrations.transformers import probe as transformers_probe
+    from attnguard.observability import events
 
     attnguard.activate(log="none")
     try:
-        module, wiring = transformers_kernels._state.module, transformers_kernels.wiring()
-        assert module is not None and wiring is not None, transformers_kernels.unrecognised()
+        module, wiring = flash_path._state.module, flash_path.wiring()
+        assert module is not None and wiring is not None, flash_path.unrecognised()
         before = torch.get_rng_state()
         with events.capture() as seen:
-            result = transformers_probe.run(module, wiring)
+            result = transformers_probe.run(
+                module,
+                wiring,
+                kernels=flash_path.kernels_by_role,
+                swapped=flash_path.swapped_kernels,
+            )
         assert result.ok, result.reason
         assert len(result.cases) == len(transformers_probe._CASES)
         assert result.window_offset in ((0, 0), (-1, -1))

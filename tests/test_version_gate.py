@@ -1,4 +1,4 @@
-"""Each integration declares the versions it supports once (attnguard.patches.SUPPORTED); outside
+"""Each integration declares the versions it supports once (its entry in attnguard.integrations.REGISTRY); outside
 them it does not patch, and one ``observed`` event (``version_unsupported``) says why.
 
 The out-of-range runs are a user's program in a fresh interpreter whose installed library reports
@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 from conftest import PY, subprocess_env
 
-from attnguard.patches import INTEGRATIONS, SUPPORTED, release, unsupported
+from attnguard.integrations import REGISTRY, by_name
+from attnguard.integrations.protocol import Integration, release
+
+
+def unsupported(name: str, version: str | None) -> str | None:
+    return by_name(name).supports(version)
+
 
 # CI's smoke lanes run the marked ones on every transformers release it covers; the simulated
 # out-of-window releases (a fresh interpreter each, the same for any installed release) run in the
@@ -26,7 +32,9 @@ from attnguard.patches import INTEGRATIONS, SUPPORTED, release, unsupported
 
 @pytest.mark.smoke
 def test_every_integration_declares_its_versions() -> None:
-    assert set(SUPPORTED) == set(INTEGRATIONS)
+    assert all(isinstance(i, Integration) for i in REGISTRY)
+    assert len({i.name for i in REGISTRY}) == len(REGISTRY)
+    assert all(i.parts and i.distribution and i.package for i in REGISTRY)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +63,7 @@ def test_the_declared_window(name: str, version: str | None, ok: bool) -> None:
     why = unsupported(name, version)
     assert (why is None) == ok, why
     if not ok:
-        dist = SUPPORTED[name][0]
+        dist = by_name(name).distribution
         assert dist in why and ">=" in why and "<" in why  # names the library and the window
 
 

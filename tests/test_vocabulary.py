@@ -1,6 +1,6 @@
 """Every event name, reason code, decision rule and setting the README and docs name is one the
 code has: an alert or a query written from the docs must be able to fire. Reads README.md and
-docs/*.md as a user does and checks them against attnguard.events.EVENTS, attnguard.reasons,
+docs/*.md as a user does and checks them against attnguard.observability.events.EVENTS, attnguard.observability.reasons,
 attnguard.plan.TABLE and the settings of attnguard.config."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import re
 import pytest
 from conftest import REPO
 
-from attnguard import config, events, plan, reasons
+from attnguard import config, plan
+from attnguard.observability import events, reasons
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 EVENT_NAMES = set(events.EVENTS)
@@ -101,12 +102,12 @@ def test_a_hint_for_flash_and_xformers_calls_names_neither_kernel_alone() -> Non
     the advice for an xformers call."""
     import torch
 
-    from attnguard import routing
+    from attnguard import kernels
 
     cpu_query = torch.zeros(1, 4, 2, 8)
     by_kind = {
-        kind: routing.reroute_reason(kind, cpu_query, 8, None, {})
-        for kind in (routing.FLASH_KERNEL, routing.XFORMERS)
+        kind: kernels.reroute_reason(kind, cpu_query, 8, None, {})
+        for kind in (kernels.EntryKind.FLASH_KERNEL, kernels.EntryKind.XFORMERS)
     }
     shared = set(by_kind.values()) - {None}
     assert shared == {"cpu_tensors"}, by_kind

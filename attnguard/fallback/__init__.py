@@ -4,7 +4,7 @@ attnguard uses these where the requested kernel cannot run (CPU tensors, flash-a
 broken, xformers ops not loadable, a call the kernel refuses): each function takes exactly the
 arguments of the function it mirrors, returns the same shapes and computes the same thing. Which
 torch kernel computes a call (torch's own flash kernel, SDPA's dispatcher, per-sequence SDPA,
-explicit math) and why is decided in one place, :mod:`attnguard.fallback.kernels`.
+explicit math) and why is decided in one place, :mod:`attnguard.fallback.routes`.
 
 The package, split by what its parts stand for:
 
@@ -33,7 +33,7 @@ Conventions kept from the real kernels:
   row-constant part of the bias, so its lse differs from ours by that constant; ``out`` agrees.
 * ``deterministic=True`` keeps flash-attn's promise of a bitwise-reproducible backward pass (the
   forward pass is reproducible anyway): torch's flash kernel in its deterministic mode where it
-  can run, elsewhere kernels that reproduce (:mod:`attnguard.fallback.kernels`). Under
+  can run, elsewhere kernels that reproduce (:mod:`attnguard.fallback.routes`). Under
   ``torch.use_deterministic_algorithms(True)`` torch's own kernels keep that promise.
 * ``torch.compile(fullgraph=True)`` traces every function as one graph: mask decisions are
   made from shapes and window values, never from tensor values. Where torch's flash kernel

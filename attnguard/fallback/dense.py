@@ -1,7 +1,7 @@
 """Twins of flash-attn's dense functions: ``flash_attn_func`` and its qkv/kv-packed variants, and
 :func:`flash_core`, the (B, S, H, D) attention every twin ends in.
 
-Which torch kernel computes a call is decided in :mod:`attnguard.fallback.kernels`.
+Which torch kernel computes a call is decided in :mod:`attnguard.fallback.routes`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from . import attention_sinks, kernels, torch_flash
+from . import attention_sinks, routes, torch_flash
 from .masks import alibi_bias, band_mask, check_alibi, normalize_window, padded_band
 from .sdpa import BiasRows, masked_attention, sdpa
 
@@ -40,7 +40,7 @@ def flash_core(
     ``lens`` = (len_q, len_k), int64 (B,) tensors, marks a padded batch: sequence ``b`` holds
     only its first len_q[b] queries and len_k[b] keys, its mask is aligned to its own lengths
     and the output rows past len_q[b] are meaningless. ``deterministic``: flash-attn's promise
-    of a bitwise-reproducible backward pass (:mod:`attnguard.fallback.kernels` says how).
+    of a bitwise-reproducible backward pass (:mod:`attnguard.fallback.routes` says how).
     ``sinks``: attention sinks, one logit per query head (:mod:`.attention_sinks`), computed
     from the lse (``sinks_lse``: kept in the compute dtype, with its gradient where a backward
     needs one; torch's flash kernel, whose lse carries none, is then not used:
@@ -87,7 +87,7 @@ def flash_core(
     torch_deterministic = deterministic and torch.are_deterministic_algorithms_enabled()
     explicit = False
     if lens is None:
-        route = kernels.dense(
+        route = routes.dense(
             flash_ok=flash_allowed
             and torch_flash.can_run(
                 q, k, v, window=torch_flash.windowed(window), deterministic=deterministic
@@ -102,7 +102,7 @@ def flash_core(
             torch_deterministic=torch_deterministic,
             gpu=q.is_cuda,
         )
-        kernel = kernels.ROUTES[route].kernel
+        kernel = routes.ROUTES[route].kernel
         if kernel == "torch_flash":
             out, lse = torch_flash.attention(
                 q,
@@ -134,7 +134,7 @@ def flash_core(
                 return alibi_bias(slopes, r0, r1, sq, sk, dtype)
 
     else:
-        explicit = not kernels.sdpa_reproducible(
+        explicit = not routes.sdpa_reproducible(
             deterministic=deterministic, torch_deterministic=torch_deterministic, gpu=q.is_cuda
         )
         keep, empty, rel = padded_band(lens[0], lens[1], sq, sk, left, right)

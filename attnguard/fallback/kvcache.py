@@ -1,14 +1,14 @@
 """Twin of flash-attn's ``flash_attn_with_kvcache`` (decode and chunked prefill against a KV cache
 updated in place, rotary embedding, paged caches).
 
-Which torch kernel computes a call is decided in :mod:`attnguard.fallback.kernels`.
+Which torch kernel computes a call is decided in :mod:`attnguard.fallback.routes`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import attention_sinks, kernels, torch_flash, triton_decode
+from . import attention_sinks, routes, torch_flash, triton_decode
 from .dense import flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -205,7 +205,7 @@ def flash_attn_with_kvcache(
         and cache_leftpad is None
         and alibi_slopes is None
         and softcap <= 0
-        and kernels.kvcache(decode=True) == "kvcache-decode"
+        and routes.kvcache(decode=True) == "kvcache-decode"
         and not compiling()
         and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
     ):
@@ -232,7 +232,7 @@ def flash_attn_with_kvcache(
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
     )
     attention_sinks.check(s_aux, h)
-    route = kernels.kvcache(
+    route = routes.kvcache(
         flash_ok=new_kv_fits
         and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
         and torch_flash.can_run(

@@ -8,7 +8,7 @@ bottom-right causal alignment, sliding windows, dropout, the softmax LSE, and pe
 counts (``seqused_k``, a KV cache read only up to each sequence's length), with gradients
 (aten's ``FlashAttentionBackward``). It cannot do softcap, and torch's build refuses ALiBi
 ("This flash attention build does not support alibi", torch 2.11 on an H100, 2026-11-24): those
-calls go to another kernel (:mod:`attnguard.fallback.kernels` decides). It needs a CUDA GPU of
+calls go to another kernel (:mod:`attnguard.fallback.routes` decides). It needs a CUDA GPU of
 compute capability 8.0 or newer, fp16/bf16 and head_dim <= 256 (other head dims up to 256 are
 zero-padded to a multiple of 8 here, as SDPA's flash path pads them).
 

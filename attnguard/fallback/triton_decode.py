@@ -19,7 +19,7 @@ float32, ``+inf`` for a row that sees no key.
 It takes only the common decode call (:func:`eligible`): one query token, at most one new token,
 contiguous rows 0..B-1 of a cache (no pages, batch index, left padding, rotary, softcap, ALiBi),
 fp16/bf16 on a CUDA GPU, head_dim <= 256 and a multiple of 8, strides in multiples of 8 elements.
-Every other call takes the routes of :mod:`attnguard.fallback.kernels`. It is used only where
+Every other call takes the routes of :mod:`attnguard.fallback.routes`. It is used only where
 ``triton`` imports (never imported before the first such call) and never inside a torch.compile
 trace; a kernel that fails to compile or launch is not tried again in the process, and that call
 and every later one take the torch route (:func:`disabled`).

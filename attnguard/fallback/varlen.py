@@ -1,7 +1,7 @@
 """Twins of flash-attn's varlen functions (packed rows: ``(total, H, D)`` with ``cu_seqlens``):
 ``flash_attn_varlen_func`` and its qkv/kv-packed variants.
 
-Which torch kernel computes a call is decided in :mod:`attnguard.fallback.kernels`.
+Which torch kernel computes a call is decided in :mod:`attnguard.fallback.routes`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import attention_sinks, kernels, torch_flash
+from . import attention_sinks, routes, torch_flash
 from .dense import FlashResult, flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
@@ -187,7 +187,7 @@ def flash_attn_varlen_func(
     Where torch's flash kernel can run, one call of it computes the packed rows (nothing read
     on the host). Elsewhere eager calls attend each sequence on its own (batching sequences of
     equal lengths) and under torch.compile a padded-batch formulation keeps the graph whole
-    (see ``_varlen_padded``). :mod:`attnguard.fallback.kernels` says which, and why. ``s_aux``:
+    (see ``_varlen_padded``). :mod:`attnguard.fallback.routes` says which, and why. ``s_aux``:
     attention sinks, one logit per query head (:mod:`.attention_sinks`).
     """
     if q.dim() != 3:
@@ -212,7 +212,7 @@ def flash_attn_varlen_func(
     attention_sinks.check(s_aux, q.shape[1])
 
     in_graph = compiling()
-    route = kernels.varlen(
+    route = routes.varlen(
         flash_ok=not attention_sinks.needs_grad(s_aux, q, k, v)
         and torch_flash.can_run(
             q,

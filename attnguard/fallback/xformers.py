@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import kernels, torch_flash
+from . import routes, torch_flash
 from .sdpa import causal_sdpa, sdpa
 from .varlen import run_segments
 
@@ -49,7 +49,7 @@ def _xf_block_diagonal(
     k_starts = [int(x) for x in bias.k_seqinfo.seqstart_py]
     k_lens = [k_starts[i + 1] - k_starts[i] for i in range(len(k_starts) - 1)]
     q_lens = [q_starts[i + 1] - q_starts[i] for i in range(len(q_starts) - 1)]
-    route = kernels.xformers(
+    route = routes.xformers(
         flash_ok=torch_flash.can_run(q, k, v),
         block_kind=kind,
         equal_lengths=q_lens == k_lens,

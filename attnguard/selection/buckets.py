@@ -45,7 +45,7 @@ CANDIDATES: tuple[Candidate, ...] = (
         ("flash_attn_func",),
         "always",
         "attnguard's twin: torch SDPA with the dispatcher's own choice (cuDNN on Hopper), or "
-        "torch's flash kernel for windows / bottom-right causality (attnguard.fallback.kernels)",
+        "torch's flash kernel for windows / bottom-right causality (attnguard.fallback.routes)",
     ),
     Candidate(
         "sdpa_cudnn",

@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import events, safefiles
+from .. import safefiles
+from ..observability import events
 from .buckets import CANDIDATES, Call
 
 SCHEMA = 1

@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .. import events
+from ..observability import events
 from . import buckets, cache, race
 from .buckets import REQUESTED, Call
 from .cache import Decision

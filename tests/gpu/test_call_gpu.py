@@ -29,7 +29,8 @@ pytestmark = [
 import gpuenv  # noqa: E402
 
 import attnguard  # noqa: E402
-from attnguard import callguard, events  # noqa: E402
+from attnguard import callguard  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 
 if torch.cuda.is_available():
     gpuenv.put_on_sys_path()  # before transformers caches flash-attn's availability (no import)
@@ -275,7 +276,7 @@ def test_mixed_dtypes_through_registry_entries(guard, tiny_llama_dir, impl, requ
         request.getfixturevalue("real_flash")
     from transformers import modeling_utils
 
-    from attnguard.patches.transformers_attention import registry_mapping
+    from attnguard.integrations.transformers.interface import registry_mapping
 
     fn = registry_mapping(modeling_utils)[impl]
     layer = _model(tiny_llama_dir, impl, BF16).model.layers[0].self_attn
@@ -295,7 +296,7 @@ def test_mixed_dtypes_through_registry_entries(guard, tiny_llama_dir, impl, requ
 def test_flash_registry_output_attentions_rerouted(real_flash, guard, tiny_llama_dir):
     from transformers import modeling_utils
 
-    from attnguard.patches.transformers_attention import registry_mapping
+    from attnguard.integrations.transformers.interface import registry_mapping
 
     fn = registry_mapping(modeling_utils)["flash_attention_2"]
     model = _model(tiny_llama_dir, "flash_attention_2", BF16)
@@ -316,7 +317,7 @@ def test_sdpa_no_available_kernel_recovered(guard):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import modeling_utils
 
-    from attnguard.patches.transformers_attention import registry_mapping
+    from attnguard.integrations.transformers.interface import registry_mapping
 
     fn = registry_mapping(modeling_utils)["sdpa"]
     module = torch.nn.Linear(4, 4).to(CUDA)

@@ -60,7 +60,7 @@ def test_family_a_loads_the_flash_model_straight_onto_the_gpu(flash_on_path: str
     else:
         (fallback,) = _fallbacks(run.caused())
         assert fallback["reason_code"] == "package_missing"
-        assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa"
+        assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa_twin"
 
 
 @pytest.mark.parametrize("flash_on_path", FLASH_CASES, indirect=True)

@@ -44,7 +44,8 @@ import json, logging, sys, tempfile
 import torch, transformers
 from conftest import tiny_config, tiny_model_class, tiny_inputs
 import attnguard
-from attnguard import events, facts
+from attnguard.observability import events
+from attnguard import facts
 
 MODE = sys.argv[1]  # "real": the real flash-attn is on the path; "absent": no flash-attn
 FLASH = "flash_attention_2"
@@ -305,7 +306,7 @@ def test_model_built_with_config_is_cast_and_moved(real_runs: dict[str, Any]) ->
 def _assert_twins_fallback(rec: dict[str, Any]) -> None:
     (fallback,) = [e for e in rec["events"] if e["event"] == "backend_fallback"]
     assert fallback["reason_code"] == "package_missing", fallback
-    assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa", fallback
+    assert fallback["rule"] == "flash-on-sdpa" and fallback["selected"] == "sdpa_twin", fallback
     assert fallback["applied"] is True
     assert rec["attn"] == FLASH  # transformers' flash code path is kept
 

@@ -214,8 +214,11 @@ def _tiny_llama_over_two_gpus() -> Any:
 
 def test_rotary_inputs_from_another_gpu_are_aligned() -> None:
     import attnguard
-    from attnguard import events
-    from attnguard.multigpu import install_rotary_alignment, remove_rotary_alignment
+    from attnguard.integrations.transformers.rotary import (
+        install_rotary_alignment,
+        remove_rotary_alignment,
+    )
+    from attnguard.observability import events
 
     attnguard.activate(log="none")
     try:

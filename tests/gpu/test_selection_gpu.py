@@ -31,7 +31,7 @@ pytestmark = [
 import gpuenv  # noqa: E402
 
 import attnguard  # noqa: E402
-from attnguard import events  # noqa: E402
+from attnguard.observability import events  # noqa: E402
 from attnguard.selection import decisions  # noqa: E402
 from attnguard.selection.buckets import TOLERANCE  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_a_softcapped_call_is_left_to_the_real_kernel(fastest):
 _PROGRAM = r"""
 import json, sys, torch
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 from flash_attn import flash_attn_func
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(4, 4096, 16, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
@@ -178,7 +178,7 @@ def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
 _SEQUENCE = r"""
 import json, torch
 import attnguard  # ATTNGUARD=1: on, from the environment (start-up hook installed or not)
-from attnguard import events
+from attnguard.observability import events
 from flash_attn import flash_attn_func
 g = torch.Generator(device="cuda").manual_seed(0)
 def qkv(b, s, grad):
@@ -220,7 +220,7 @@ _RANKS = r"""
 import json, os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 import attnguard
-from attnguard import events
+from attnguard.observability import events
 from flash_attn import flash_attn_func
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(4, 4096, 16, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))

@@ -174,7 +174,7 @@ def test_both_runs_loaded_the_flash_path_in_bf16_on_the_gpu(runs: dict, family: 
         "flash-on-sdpa",
         "package_missing",
     ), event
-    assert event["selected"] == "sdpa" and event["applied"] is True
+    assert event["selected"] == "sdpa_twin" and event["applied"] is True
 
 
 @pytest.mark.parametrize("family", FAMILIES)

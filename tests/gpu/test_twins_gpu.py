@@ -495,18 +495,18 @@ GRAD_TOL = {BF16: 3e-2, FP16: 1e-2}  # relative to max |grad| of the kernel
 
 @pytest.fixture
 def routes(monkeypatch):
-    """The kernel-table rows the twins take during a test (attnguard/fallback/kernels.py)."""
-    from attnguard.fallback import kernels
+    """The kernel-table rows the twins take during a test (attnguard/fallback/routes.py)."""
+    from attnguard.fallback import routes as twin_routes
 
     taken: list[str] = []
     for name in ("dense", "varlen", "kvcache", "xformers"):
-        fn = getattr(kernels, name)
+        fn = getattr(twin_routes, name)
 
         def spy(*args, _fn=fn, **kwargs):
             taken.append(_fn(*args, **kwargs))
             return taken[-1]
 
-        monkeypatch.setattr(kernels, name, spy)
+        monkeypatch.setattr(twin_routes, name, spy)
     return taken
 
 

@@ -116,6 +116,8 @@ def record_flash_imports() -> set[str]:
         if event != "open" or not isinstance(args[0], str) or ".dist-info" in args[0]:
             return
         parts = Path(args[0]).parts
+        if "attnguard" in parts:  # attnguard's own flash-attn integration, not flash-attn
+            return
         roots = [i for i, p in enumerate(parts) if p.startswith("flash_attn")]
         if not roots:
             return
@@ -139,7 +141,7 @@ def run(ns: argparse.Namespace) -> int:
         seen: list[dict[str, Any]] = []
         if ns.guarded:
             import attnguard  # noqa: F401  (first: importing activates the guard)
-            from attnguard import events
+            from attnguard.observability import events
 
             seen = stack.enter_context(events.capture())  # the whole run's events
         spec = importlib.util.find_spec("flash_attn")

@@ -149,7 +149,7 @@ def _fake_version(version: str) -> None:
     importlib.metadata.version = version_of  # type: ignore[assignment]
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
@@ -164,7 +164,7 @@ def main() -> None:
     captured: list[dict[str, Any]] = []
     if mode == "guard":
         import attnguard
-        from attnguard import events
+        from attnguard.observability import events
 
         attnguard.activate(log="none")
         captured = stack.enter_context(events.capture())
@@ -193,7 +193,7 @@ def main() -> None:
             root / "mistral", attn_implementation=FLASH
         ).eval()
     except Exception as exc:
-        result["error"] = _first_line(exc)
+        result["error"] = first_line(exc)
     else:
         result["attn"] = llama.config._attn_implementation
         g = torch.Generator().manual_seed(0)
@@ -241,7 +241,7 @@ def _registry_call(transformers: Any, torch: Any) -> dict[str, Any]:
     try:
         out, _ = fn(module, q, k, v, None, scaling=None)
     except Exception as exc:
-        return {"error": _first_line(exc)}
+        return {"error": first_line(exc)}
     return {"shape": list(out.shape)}
 
 

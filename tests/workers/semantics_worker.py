@@ -212,7 +212,7 @@ def run(mode: str, root: Path, out: Path, device: str) -> int:
             return 3
         os.environ.setdefault("ATTNGUARD_LOG", "none")
         import attnguard  # noqa: F401  (first: importing activates the guard)
-        from attnguard import events
+        from attnguard.observability import events
 
         meta["flash_attn"] = None
         capture = events

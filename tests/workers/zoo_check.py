@@ -135,10 +135,10 @@ REFERENCE_KERNELS = {
 def on_reference_kernels(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
     """``model`` (loaded for flash) run with transformers' flash path computing on the reference
     kernels (handed in where attnguard hands its twins: attnguard must be active)."""
-    from attnguard.patches import transformers_kernels
+    from attnguard.integrations.transformers import flash_path
 
-    with transformers_kernels.handing(REFERENCE_KERNELS):
-        transformers_kernels.preload(FLASH)  # as transformers' gate does at load
+    with flash_path.swapped_kernels(REFERENCE_KERNELS):
+        flash_path.preload(FLASH)  # as transformers' gate does at load
         return zoo.run(model, inputs)
 
 
@@ -256,7 +256,7 @@ def check(entry: zoo.Entry, root: Any, eager: bool = True) -> Record:
     """Build, save, load guarded with flash and with eager, compare; or, where the guarded load
     fails, check that the unguarded load fails the same way."""
     import attnguard
-    from attnguard import events
+    from attnguard.observability import events
 
     try:
         model, plain = zoo.build(entry)

@@ -1,0 +1,228 @@
+"""Per-call guard shared by every attention entry point: the registry, flash_attn and xformers.
+
+Each entry point gets a plain closure (``functools.wraps``; never a wrapt proxy, which breaks
+torch.compile). The closure runs a fast check inline, cheapest first: q/k/v dtypes and devices,
+and what the entry's kernel cannot take. Nothing wrong (the common case) -> the original runs,
+inside a ``try`` that costs nothing until it raises. Something wrong -> one slow path for every
+entry point (:func:`_remedy_call`), where the remedies live, in this order:
+
+* ``align``: q/k/v/mask on different devices -> the query's device (``tensors_aligned``);
+* ``unify``: q/k/v (and a float mask or bias) of mixed dtypes -> one dtype (``qkv_unified``;
+  the choice is :func:`attnguard.dtypes.choose_dtype`);
+* ``cast``: float32 into a half-only flash kernel -> half for the kernel, output cast back;
+* ``reroute``: the kernel cannot take this call -> this call on the entry's SDPA twin
+  (``backend_rerouted``, counted per call; the reasons are :mod:`attnguard.kernels`'s);
+* ``recover``: a known, recoverable kernel error -> the same call re-run once on the twin, and the
+  site's later calls sent straight there (``kernel_error_recovered``, then ``backend_rerouted``).
+  Unknown errors propagate untouched.
+
+Which kernel computes a call, and why, is decided in :mod:`attnguard.kernels`; this module only
+applies it. Modes: fix applies remedies; warn emits the same events with ``applied=False`` and
+changes nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
+torch.compile trace nothing is emitted or latched (side effects break ``fullgraph=True``), but the
+fixes still land in the graph because they are plain tensor ops decided from static facts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import Settings
+from ..failopen import fail_open as _fail_open
+from ..failopen import make_picklable
+from ..kernels import FLASH_MAX_HEAD_DIM, EntryKind, classify_kernel_error
+from ..observability import events
+from ..selection.buckets import SELECTED_ENTRIES
+from ..selection.buckets import UNSERVED as _UNSERVED
+from .entry import Entry, Tensor, decide, latch, latched, note, reset_latches
+from .remedy import recover_after_error, remedy_call
+
+_BF16 = torch.bfloat16
+_FP16 = torch.float16
+
+
+__all__ = [
+    "Entry",
+    "decide",
+    "guard",
+    "latch",
+    "latched",
+    "note",
+    "reset_latches",
+    "wrap_direct",
+]
+
+
+def guard(
+    entry: Entry, check: Callable[[tuple[Any, ...], dict[str, Any]], bool]
+) -> Callable[..., Any]:
+    """The guarded function: ``check`` (inline, cheap) says whether a remedy may be needed."""
+    original = entry.original
+    in_force = entry.in_force
+    remedy = functools.partial(remedy_call, entry=entry)
+    selectable = entry.kind == EntryKind.FLASH_KERNEL and entry.name in SELECTED_ENTRIES
+    # flash_attn_func's selection signature holds every fact check() reads: a call served
+    # before under fastest passed the check then and passes it now (unless a site is latched)
+    presigned = selectable and entry.name == "flash_attn_func"
+    name = entry.name
+    lat = latched
+
+    def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
+        settings = in_force.settings
+        if settings.enabled:
+            fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
+            faster = _UNSERVED
+            made = _options
+            if fastest and presigned and not lat and made is not None and made[0] is settings:
+                served = _serve[1]
+                try:  # a decided bucket, found by signature: a decode loop's every call
+                    faster = served(name, args, kwargs, made[1].apply) if served else faster
+                except Exception:
+                    faster = _UNSERVED
+            if faster is _UNSERVED:
+                try:
+                    bad = check(args, kwargs)
+                except Exception:
+                    bad = True  # an odd input makes a check raise: the slow path, never the user
+                if bad:
+                    site = entry.site_for(args)
+                    return _fail_open(site, original, remedy, args, kwargs)
+                faster = None
+                if fastest:
+                    # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
+                    serve = _serve[0]
+                    if serve is not None and made is not None and made[0] is settings:
+                        try:
+                            faster = serve(entry, args, kwargs, made[1])
+                        except Exception as exc:
+                            faster = _selection_failed(entry, exc)
+                    else:
+                        faster = _faster_kernel(entry, settings, args, kwargs)
+            if faster is not None:
+                try:
+                    return faster(args, kwargs)
+                except Exception as exc:
+                    return _faster_kernel_failed(entry, exc, args, kwargs)
+        try:
+            return original(*args, **kwargs)
+        except Exception as exc:
+            if (
+                not in_force.settings.enabled
+                or events.is_compiling()
+                or classify_kernel_error(exc) is None
+            ):
+                if entry.left_alone is not None and in_force.settings.enabled:
+                    entry.left_alone(entry, args)
+                raise
+            site = entry.site_for(args)
+            recover = functools.partial(recover_after_error, entry=entry, error=exc)
+            return _fail_open(site, original, recover, args, kwargs, own_error=exc)
+
+    guarded = functools.wraps(original)(attnguard_attention)
+    guarded.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return make_picklable(guarded, original)
+
+
+def _faster_kernel(
+    entry: Entry, settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
+    try:
+        serve = _serve[0]
+        if serve is None:  # imported once: an import statement costs a decode step's budget
+            from ..selection.decisions import serve, served
+
+            _serve[:] = [serve, served]
+        return serve(entry, args, kwargs, _selection_options(settings))
+    except Exception as exc:
+        return _selection_failed(entry, exc)
+
+
+def _selection_failed(entry: Entry, exc: Exception) -> None:
+    """The selection raised: attnguard's error, reported once; the requested kernel computes."""
+    if not events.is_compiling():
+        from ..failopen import report_internal_error
+
+        report_internal_error(f"{entry.site}.select", exc)
+
+
+_options: tuple[Settings, Any] | None = None  # the settings in force and their Options
+
+
+_serve: list[Any] = [None, None]  # selection.decisions' serve and served, once imported
+
+
+def _selection_options(settings: Settings) -> Any:
+    """What the selection needs of the settings in force (made once per settings object)."""
+    global _options
+    made = _options
+    if made is None or made[0] is not settings:
+        from .. import __version__
+        from ..selection.decisions import Options
+
+        made = _options = (
+            settings,
+            Options(
+                apply=settings.changes_things,
+                version=__version__,
+                cache_dir=settings.kernel_cache,
+            ),
+        )
+    return made[1]
+
+
+def _faster_kernel_failed(
+    entry: Entry, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The selected kernel failed (a call unlike the ones it was measured on): attnguard's
+    error, reported once, and the requested kernel computes the call."""
+    if events.is_compiling():
+        raise exc
+    from ..failopen import report_internal_error
+
+    report_internal_error(f"{entry.site}.selected", exc)
+    return entry.original(*args, **kwargs)
+
+
+def wrap_direct(entry: Entry) -> Callable[..., Any]:
+    """A guarded closure for a flash_attn function or xformers' memory_efficient_attention."""
+    n = len(entry.tensors)
+    flash = entry.kind == EntryKind.FLASH_KERNEL
+    head_axis = entry.head_axis
+    site = entry.site
+    lat = latched
+    bf16, fp16 = _BF16, _FP16
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if len(args) < n:
+            return True
+        q = args[0]
+        k = args[1] if n > 1 else q
+        v = args[2] if n > 2 else q
+        dt = q.dtype
+        dev = q.get_device()
+        if k.dtype is not dt or v.dtype is not dt or q.is_cpu:
+            return True
+        if k.get_device() != dev or v.get_device() != dev:
+            return True
+        if lat and site in lat:
+            return True
+        if flash:
+            return (dt is not bf16 and dt is not fp16) or q.shape[head_axis] > FLASH_MAX_HEAD_DIM
+        return _xformers_bias_off(args, kwargs, dt, dev)
+
+    return guard(entry, check)
+
+
+def _xformers_bias_off(
+    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device: int
+) -> bool:
+    """True when a tensor attn_bias has another float dtype or device than the query."""
+    bias = args[3] if len(args) > 3 else kwargs.get("attn_bias")
+    if bias is None or not isinstance(bias, Tensor):
+        return False
+    return bias.get_device() != device or (bias.dtype is not dtype and bias.dtype.is_floating_point)

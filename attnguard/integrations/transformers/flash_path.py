@@ -1,0 +1,471 @@
+"""transformers' flash code path on attnguard's SDPA twins, where the flash-attn kernel cannot run.
+
+transformers computes flash attention in ``modeling_flash_attention_utils._flash_attention_forward``:
+it unpads a padded batch, detects packed sequences from ``position_ids`` / ``cu_seq_lens``, turns a
+sliding window into flash's ``window_size``, passes softcap, and calls flash-attn's kernel
+functions. When those kernels cannot run here (flash-attn missing, its CUDA extension broken, no
+CUDA, a GPU below sm80, ...), this module hands that code path attnguard's SDPA twins of the same
+functions (:mod:`attnguard.fallback`) instead of letting it fail, reach for a hub kernel (or, on
+4.54, stop and ask on stdin), or be swapped for transformers' sdpa path (which on several
+releases attends across packed sequences). Everything transformers decides stays as it is for
+that release; only the kernel changes. Why and when is decided in :mod:`attnguard.kernels`.
+
+How a release wires its flash path is read from the module itself
+(:mod:`.wiring`, never from the version number) and confirmed once, at the first
+load that needs the twins, by running transformers' own flash path on recording stand-ins of
+the twins (:mod:`.probe`). Where either finds something it does not know, the flash
+path is not kept and attnguard steps aside: the load fails as it would without attnguard, and
+one ``observed`` event (``flash_path_unrecognised``) says what was not recognised — never a
+backend that computes different numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+from ... import runtime
+from ..ledger import Ledger
+from . import wiring as transformers_wiring
+from .wiring import FUNC, GLOBALS, INDEX, IS_FA3, KVCACHE, PAD, UNPAD, VARLEN, Unrecognised, Wiring
+
+MODULE = "transformers.modeling_flash_attention_utils"
+SITE = "transformers.flash_kernels"
+_FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+ledger = Ledger("transformers_kernels")
+
+
+class _State:
+    """What this process knows about the patched module's flash path."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.module: ModuleType | None = None
+        self.wiring: Wiring | None = None
+        self.unrecognised = "transformers' flash code path has not been read"
+        self.probe: Any = None  # probe.Result, once run
+        self.override = threading.local()  # the probe's recorders, on the probing thread only
+
+
+_state = _State()
+
+
+# --- is the flash path kept? ---------------------------------------------------------------------
+
+
+def wiring() -> Wiring | None:
+    """The recognised wiring of the patched module (None: unread or unrecognised)."""
+    return _state.wiring
+
+
+def unrecognised() -> str:
+    """Why transformers' flash path cannot be kept on the twins in this process ("" when it can):
+    its wiring is not one attnguard recognises, or the probe found its behaviour differs."""
+    with _state.lock:
+        if _state.wiring is None or _state.module is None:
+            return _state.unrecognised
+        if _state.probe is None:
+            from . import probe
+
+            _state.probe = probe.run(
+                _state.module, _state.wiring, kernels=kernels_by_role, swapped=swapped_kernels
+            )
+            _refresh_serving()  # the probe may have found an argument not computed
+            if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
+                ledger.unpatch_all()
+                if _state.wiring.layout != GLOBALS:
+                    _clear_lazy_cache(_state.module, _state.wiring)
+        return "" if _state.probe.ok else _state.probe.reason
+
+
+def stepped_aside(implementation: str) -> str:
+    """Why a call of ``implementation``'s flash path was left to transformers although its kernel
+    cannot run here ("" when it was not: the kernel runs, or the twins serve the path)."""
+    if not _kernel_unusable(implementation):
+        return ""
+    why = unrecognised()
+    if not why:
+        return ""
+    return (
+        "attnguard does not recognise how this transformers release wires its flash code path "
+        f"({why}), so it does not compute that path's calls"
+    )
+
+
+def installed_flash_path() -> dict[str, Any]:
+    """For ``attnguard doctor``: how a guarded run here would find the installed transformers'
+    flash path (its wiring, the window it passes, the probe's verdict). Where attnguard is not
+    active in this process, the module is patched for the check and restored after."""
+    import importlib
+
+    try:
+        importlib.import_module("transformers.modeling_utils")
+        module = importlib.import_module(MODULE)
+    except Exception as exc:
+        return {
+            "kept_on_twins": False,
+            "why": f"transformers does not import ({type(exc).__name__})",
+        }
+    ours = _state.module is None
+    if ours:
+        patch(module)
+    try:
+        why, wired, offset = unrecognised(), _state.wiring, _window_offset()
+        return {
+            "kept_on_twins": not why,
+            "why": why,
+            "wiring": wired.describe() if wired is not None else None,
+            "window_size": None if offset is None else f"(w{offset[0]:+d}, w{offset[1]:+d})",
+            "probe_cases": list(getattr(_state.probe, "cases", ())),
+        }
+    finally:
+        if ours:
+            unpatch()
+
+
+def covers(model_class: type | None = None) -> bool:
+    """True when transformers' flash code path can run on the twins in this process (for
+    ``model_class``: before 4.54 only models whose attention goes through the registry call the
+    patched functions; Qwen2-VL and others bind flash-attn's functions in their own module)."""
+    if unrecognised():
+        return False
+    wired = _state.wiring
+    if wired is not None and wired.layout == GLOBALS and model_class is not None:
+        return bool(getattr(model_class, "_supports_attention_backend", False))
+    return True
+
+
+def flash_window(sliding_window: int) -> tuple[int, int] | None:
+    """flash's ``window_size`` that transformers' flash path passes for ``sliding_window``
+    (recorded by the probe, else read from the module); None when unknown."""
+    offset = _window_offset()
+    if offset is None:
+        return None
+    return sliding_window + offset[0], sliding_window + offset[1]
+
+
+def _window_offset() -> tuple[int, int] | None:
+    """The window convention as (left - w, right - w): recorded by the probe, else read."""
+    offset = getattr(_state.probe, "window_offset", None)
+    return offset if offset is not None else getattr(_state.wiring, "window_offset", None)
+
+
+# --- the twins, and saying so -------------------------------------------------------------------
+
+
+def _twins() -> dict[str, Callable[..., Any] | None]:
+    """The twins by role (a role is the flash-attn name of the function it stands for)."""
+    from ... import fallback
+
+    roles = (FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX)
+    return {role: getattr(fallback, role, None) for role in roles}
+
+
+_announced: set[str] = set()
+
+
+def announced(reason_code: str) -> None:
+    """A load-time ``backend_fallback`` already said the twins compute the flash path's calls."""
+    _announced.add(reason_code)
+
+
+def _announce(implementation: str) -> None:
+    """Say once that the flash path's kernels are the twins, unless a load already said so (a
+    model loaded before attnguard was active, or switched to flash by hand, arrives here)."""
+    from ... import facts, kernels
+    from ...failopen import report_internal_error
+    from ...observability import events
+
+    try:
+        status = facts.current(runtime.settings()).backend(implementation)
+        if status.reason_code in _announced:
+            return
+        _announced.add(status.reason_code)
+        events.emit(
+            "backend_fallback",
+            site=SITE,
+            reason_code=status.reason_code,
+            reason=f"{implementation} calls: {status.reason}; attnguard's SDPA twins of the "
+            "flash-attn functions compute transformers' flash code path (same semantics)",
+            requested=implementation,
+            selected=kernels.Kernel.SDPA_TWIN.value,
+            attn_implementation=implementation,
+            slower=False,
+            applied=True,
+        )
+    except Exception as exc:
+        report_internal_error(SITE, exc)
+
+
+def _kernel_unusable(implementation: Any) -> bool:
+    """The flash-attn kernel behind ``implementation`` cannot run here (probed once). ``None``
+    (4.54-4.57 pass no implementation: transformers takes whichever flash-attn is installed)
+    means none of flash-attn 2 / 3 can."""
+    from ... import kernels
+
+    if implementation is None:
+        names: tuple[str, ...] = ("flash_attention_2", "flash_attention_3")
+    elif isinstance(implementation, str):
+        names = (implementation.split("|", 1)[-1],)
+    else:
+        return False
+    if not all(n in _FLASH_IMPLEMENTATIONS for n in names):
+        return False
+    settings = runtime.settings()
+    return all(kernels.flash_kernel_unusable(n, settings) is not None for n in names)
+
+
+def _first_defined(module: ModuleType, *names: str) -> Any:
+    """The first of ``names`` that ``module`` itself defines as a function (its own padding
+    helpers, where a release has them), else None."""
+    for name in names:
+        fn = getattr(module, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
+# --- the lazy layout -------------------------------------------------------------------------
+
+
+def _implementation(wired: Wiring, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    name, index = wired.implementation_param
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _kernels_for(module: ModuleType) -> dict[str, Any]:
+    """The twins by role; pad/unpad: the release's own torch helpers where it has them."""
+    t = _twins()
+    return {
+        **t,
+        PAD: _first_defined(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
+        UNPAD: _first_defined(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
+        IS_FA3: False,  # 4.54's flag: flash-attn 2's keyword arguments (dropout_p)
+    }
+
+
+def kernels_by_role() -> dict[str, Any]:
+    """The functions the flash path is handed here, by role (the probe records these)."""
+    module = _state.module
+    if module is None:
+        raise Unrecognised("the flash path is not patched")
+    return {role: fn for role, fn in _kernels_for(module).items() if callable(fn)}
+
+
+def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: ModuleType) -> Any:
+    @functools.wraps(original)
+    def _lazy_imports(*args: Any, **kwargs: Any) -> Any:
+        kernels = getattr(_state.override, "kernels", None)  # the probe's, on its thread
+        if kernels is None:
+            implementation = _implementation(wired, args, kwargs)
+            try:
+                twins = _kernel_unusable(implementation)
+            except Exception as exc:  # our probe failed: transformers decides as it would alone
+                from ...failopen import report_internal_error
+
+                report_internal_error(SITE, exc)
+                twins = False
+            if not twins or unrecognised():  # the first such call runs the probe
+                return original(*args, **kwargs)
+            chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
+            _announce(chosen)
+            _serving(chosen)
+            kernels = _kernels_for(module)
+        return tuple(kernels[role] for role in wired.returns)
+
+    return _lazy_imports
+
+
+def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
+    """Forget kernels resolved before (or, at unpatch, while) attnguard was active: the globals
+    the release caches them in are emptied, so its next flash call resolves them again."""
+    for name in wired.caches:
+        if wired.cached_by_presence:
+            vars(module).pop(name, None)
+        elif getattr(module, name, None) is not None:
+            setattr(module, name, None)
+
+
+# --- the globals layout ---------------------------------------------------------------------------
+
+
+def _computed() -> frozenset[str]:
+    from . import arguments
+
+    with _state.lock:
+        missed = getattr(_state.probe, "uncomputed", None) or {}
+        return arguments.computed_arguments(_state.wiring, set(missed))
+
+
+def _refresh_serving() -> None:
+    """What the twins compute, read again (the probe has run)."""
+    from . import arguments
+
+    computed = _computed()
+    arguments.TWIN_ASIDE.clear()  # judged against the arguments computed before
+    for implementation in list(arguments.TWIN_ARGUMENTS):
+        arguments.TWIN_ARGUMENTS[implementation] = computed
+
+
+def _serving(implementation: str) -> None:
+    """The twins serve ``implementation``'s flash path from now on: its registry calls are
+    checked for arguments the twins would not compute (:mod:`.arguments`)."""
+    from . import arguments
+
+    arguments.TWIN_ARGUMENTS[implementation] = _computed()
+
+
+def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
+    """The twin, saying at its first call that it computes the flash path's kernel calls."""
+    said = [False]
+
+    @functools.wraps(twin)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not said[0]:
+            if unrecognised():  # the probe failed: the release's own None global, called
+                raise TypeError("'NoneType' object is not callable")
+            said[0] = True
+            _announce("flash_attention_2")
+        return twin(*args, **kwargs)
+
+    return kernel
+
+
+# 4.53 binds FA2's functions under *_2_* / *_fa2 names and the generic ones only when a
+# flash-attn is available: those names are bound only where the release declares them
+_ONLY_WHERE_DECLARED = ("flash_attn_2_func", "flash_attn_2_varlen_func", "pad_input_fa2")
+_ONLY_WHERE_DECLARED += ("unpad_input_fa2",)
+_MISSING = object()
+
+
+def _patch_globals(module: ModuleType, wired: Wiring) -> None:
+    """Releases that bind flash-attn's functions at import: bind what is missing (or None) to
+    the twins (flash-attn was not available when transformers was imported), and replace
+    unguarded copies of flash-attn's functions by the guarded ones (transformers imported
+    flash-attn before attnguard was active)."""
+    flash = sys.modules.get("flash_attn")
+    twins = _twins()
+    bound = False
+    for name in wired.kernel_globals:
+        role = (
+            transformers_wiring.KERNEL_GLOBALS.get(name)
+            or transformers_wiring.PADDING_GLOBALS[name]
+        )
+        current = vars(module).get(name, _MISSING)
+        if current is _MISSING and name in _ONLY_WHERE_DECLARED:
+            continue  # not a name this release uses
+        twin = twins[role]
+        kernel = name in transformers_wiring.KERNEL_GLOBALS
+        if (current is None or current is _MISSING) and twin is not None:
+            ledger.patch(module, name, lambda _o, _t=twin, _k=kernel: _announcing(_t) if _k else _t)
+            bound = bound or kernel
+        elif kernel and current is not _MISSING and flash is not None:
+            guarded = getattr(flash, role, None)
+            if getattr(guarded, "__attnguard_original__", None) is current:
+                ledger.patch(module, name, lambda _o, _g=guarded: _g)
+    if bound and not vars(module).get("_flash_supports_window_size"):
+        ledger.patch(module, "_flash_supports_window_size", lambda _o: True)
+    if bound:
+        _serving("flash_attention_2")
+
+
+# --- the probe's hand-in ----------------------------------------------------------------------------
+
+
+@contextmanager
+def swapped_kernels(kernels: dict[str, Any]) -> Iterator[None]:
+    """While open, transformers' flash path on this thread gets ``kernels`` (by role) instead of
+    the twins: the probe's recording stand-ins (:mod:`.probe`)."""
+    module, wired = _state.module, _state.wiring
+    if module is None or wired is None:
+        raise Unrecognised("the flash path is not patched")
+    if wired.layout != GLOBALS:
+        cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
+        _state.override.kernels = {**_kernels_for(module), **kernels}
+        _clear_lazy_cache(module, wired)
+        try:
+            yield
+        finally:
+            _state.override.kernels = None
+            for name, value in cached.items():  # what was resolved before, as it was
+                if value is _MISSING:
+                    vars(module).pop(name, None)
+                else:
+                    setattr(module, name, value)
+        return
+    saved = {
+        n: vars(module).get(n, _MISSING)
+        for n in (*wired.kernel_globals, "_flash_supports_window_size")
+    }
+    roles = {**transformers_wiring.KERNEL_GLOBALS, **transformers_wiring.PADDING_GLOBALS}
+    try:
+        for name in wired.kernel_globals:
+            if roles[name] in kernels:
+                setattr(module, name, kernels[roles[name]])
+        module._flash_supports_window_size = True  # type: ignore[attr-defined]
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is _MISSING:
+                vars(module).pop(name, None)
+            else:
+                setattr(module, name, value)
+
+
+# --- patch / unpatch ----------------------------------------------------------------------------
+
+
+def patch(module: ModuleType) -> None:
+    """Hand transformers' flash code path the twins where flash-attn's kernel cannot run, if its
+    wiring is one attnguard recognises (otherwise remember why not)."""
+    with _state.lock:
+        _state.module, _state.probe = module, None
+        try:
+            wired = transformers_wiring.read(module)
+        except Unrecognised as exc:
+            _state.wiring, _state.unrecognised = None, str(exc)
+            return
+        except Exception as exc:  # reading a module we do not know: not recognised, say why
+            _state.wiring = None
+            _state.unrecognised = f"reading it failed ({type(exc).__name__})"
+            return
+        _state.wiring, _state.unrecognised = wired, ""
+    if wired.layout == GLOBALS:
+        _patch_globals(module, wired)
+        return
+    ledger.patch(
+        module, transformers_wiring.LAZY_FUNCTION, lambda o: _make_lazy_imports(o, wired, module)
+    )
+    _clear_lazy_cache(module, wired)
+
+
+def preload(implementation: str) -> None:
+    """Resolve the kernels now, as transformers' own gate does (``torch.compile(fullgraph=True)``
+    needs them resolved before tracing)."""
+    module = sys.modules.get(MODULE)
+    load = getattr(module, "lazy_import_flash_attention", None)
+    if callable(load):
+        load(implementation)
+
+
+def unpatch() -> None:
+    """Restore every original this module replaced; the lazy cache re-resolves unguarded."""
+    from . import arguments
+
+    ledger.unpatch_all()
+    arguments.unpatch()
+    _announced.clear()
+    arguments.TWIN_ARGUMENTS.clear()
+    arguments.TWIN_ASIDE.clear()
+    with _state.lock:
+        module, wired = _state.module, _state.wiring
+        _state.module, _state.wiring, _state.probe = None, None, None
+        _state.unrecognised = "transformers' flash code path has not been read"
+    if module is not None and wired is not None and wired.layout != GLOBALS:
+        _clear_lazy_cache(module, wired)

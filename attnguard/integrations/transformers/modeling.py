@@ -1,0 +1,31 @@
+"""transformers integration: model loading (load-time guard), the attention registry (per call) and
+the flash code path's kernels (the SDPA twins where flash-attn's kernel cannot run).
+
+Three parts, each with its own ledger, patched together when ``transformers.modeling_utils`` is
+imported: :mod:`.loading`, :mod:`.attention` and
+:mod:`.flash_path`. The integration's fourth part, :mod:`.availability`,
+is patched earlier, as soon as ``transformers.utils.import_utils`` exists (see the package).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from . import attention, flash_path, loading
+
+
+def patch(modeling_utils: ModuleType) -> None:
+    loading.patch(modeling_utils)
+    attention.patch(modeling_utils)
+    try:
+        flash_utils = importlib.import_module(flash_path.MODULE)
+    except ImportError:
+        return
+    flash_path.patch(flash_utils)
+
+
+def unpatch() -> None:
+    flash_path.unpatch()
+    attention.unpatch()
+    loading.unpatch()
