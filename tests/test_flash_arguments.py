@@ -315,3 +315,37 @@ def test_a_model_that_cannot_load_on_the_twins_fails_as_unguarded(tmp_path: Any)
     assert str(guarded.value) == str(unguarded.value)
     said = [(e["event"], e["reason_code"]) for e in seen if e["event"] != "backend_fallback"]
     assert said == [("observed", "flash_model_unrunnable")]
+
+
+class _VisionTowerWithoutEager(transformers.LlamaForCausalLM):
+    """A model whose class supports a backend that one of its parts does not (as Idefics2's
+    vision tower refuses sdpa on transformers 4.49): building it with that backend raises
+    transformers' ValueError."""
+
+    def __init__(self, config: Any) -> None:
+        if config._attn_implementation == "eager":
+            raise ValueError(
+                "VisionTower does not support an attention implementation through eager yet."
+            )
+        super().__init__(config)
+
+
+def test_a_model_that_cannot_load_with_the_fallback_backend_fails_as_unguarded(
+    tmp_path: Any,
+) -> None:
+    """The fallback backend attnguard chose does not load (a part of the model refuses it): the
+    load fails with the error it has without attnguard, one event says why, no internal error."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(tmp_path)
+    with pytest.raises(Exception) as unguarded:
+        _VisionTowerWithoutEager.from_pretrained(tmp_path, attn_implementation=FLASH)
+    attnguard.activate(log="none", fallback=("eager",))
+    events.reset_counts()
+    with events.capture() as seen, pytest.raises(type(unguarded.value)) as guarded:
+        _VisionTowerWithoutEager.from_pretrained(tmp_path, attn_implementation=FLASH)
+    assert str(guarded.value) == str(unguarded.value)
+    said = [(e["event"], e["reason_code"]) for e in seen]
+    assert ("backend_fallback", "package_missing") in said  # eager was tried
+    assert [x for x in said if x[0] != "backend_fallback"] == [
+        ("observed", "fallback_model_unrunnable")
+    ]

@@ -129,6 +129,16 @@ _TABLE: tuple[Reason, ...] = (
         f"install flash-attn for this torch and GPU, or {_SDPA}",
     ),
     Reason(
+        "fallback_model_unrunnable",
+        ("observed",),
+        "a backend requested where it cannot run, and the model did not load with the fallback "
+        "backend attnguard chose (a part of it, such as a vision tower, does not support that "
+        "backend in this transformers release): attnguard steps aside, the load runs as "
+        "requested, as it would without attnguard (its error is transformers' own)",
+        "install the requested backend's package for this torch and GPU, or request a backend "
+        "every part of the model supports",
+    ),
+    Reason(
         "no_fallback_usable",
         ("observed",),
         "no backend of ATTNGUARD_FALLBACK is usable and supported by the model",

@@ -307,10 +307,31 @@ def _run_load(
                 retry = Scope(site=scope.site, model=scope.model, backend_decided=True, twins=False)
             elif new_kwargs is kwargs or not could_be_ours(exc, kwargs, new_kwargs):
                 raise
+            elif new_kwargs.get("attn_implementation") != kwargs.get("attn_implementation"):
+                _fallback_load_failed(scope, exc, new_kwargs.get("attn_implementation"))
+                # as requested: the gate must not choose the backend that failed again
+                retry = Scope(site=scope.site, model=scope.model, backend_decided=True)
             else:
                 report_internal_error(f"{scope.site}.remedy", exc)
     with scoped(retry):
         return wrapped(*args, **kwargs), False
+
+
+def _fallback_load_failed(scope: Scope, exc: BaseException, backend: Any) -> None:
+    """The load with the fallback backend attnguard chose failed (a part of the model, such as
+    a vision tower, does not support that backend in this release): step aside, and say so
+    once. The load then runs as requested, as it would without attnguard, and its error
+    (transformers' own) is the caller's."""
+    events.emit(  # the error's type only: its text may carry the caller's paths
+        "observed",
+        site=scope.site,
+        reason_code="fallback_model_unrunnable",
+        reason=f"{scope.model} did not load with the fallback backend {backend!r} "
+        f"({type(exc).__name__}); left as is: the load runs as requested, as it would without "
+        "attnguard",
+        model=scope.model,
+        error_type=type(exc).__name__,
+    )
 
 
 def _twins_load_failed(scope: Scope, exc: BaseException) -> None:

@@ -131,11 +131,13 @@ def guarded_autoset(
         if use_fa2 and requested is None:
             requested = "flash_attention_2"
         values = requested.values() if isinstance(requested, Mapping) else [requested]
-        if not any(is_flash(v) for v in values):
-            return wrapped(*args, **kwargs)
-        decision = _gate_decision(cls, requested, SITE_INIT)
+        decision = (
+            _gate_decision(cls, requested, SITE_INIT) if any(is_flash(v) for v in values) else None
+        )
     except Exception as exc:
         report_internal_error(SITE_INIT, exc)
+        return wrapped(*args, **kwargs)
+    if decision is None:  # no flash request: transformers' own call, its errors its own
         return wrapped(*args, **kwargs)
     if decision.error is not None:
         raise decision.error
