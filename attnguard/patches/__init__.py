@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 
+from ..integrations import diffusers as _diffusers  # its facts stay in its package
+
 # integration name (as in ATTNGUARD_DISABLE) -> its parts, in patch order:
 # (patch module, import that triggers its patch)
 INTEGRATIONS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -25,6 +27,9 @@ INTEGRATIONS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "flash_attn": (("attnguard.patches.flash_attn", "flash_attn"),),
     "xformers": (("attnguard.patches.xformers", "xformers.ops"),),
+    # its own package (attnguard.integrations.diffusers); after flash_attn and xformers, whose
+    # guarded functions it binds where diffusers imported the originals
+    "diffusers": ((_diffusers.__name__, _diffusers.TRIGGER),),
 }
 
 # integration name -> (distribution, lowest supported version, first unsupported version)
@@ -32,6 +37,7 @@ SUPPORTED = {
     "transformers": ("transformers", (4, 49), (6,)),
     "flash_attn": ("flash-attn", (2, 6), (3,)),
     "xformers": ("xformers", (0, 0, 27), (0, 1)),
+    "diffusers": _diffusers.SUPPORTED,
 }
 
 

@@ -1,0 +1,366 @@
+"""The diffusers integration, in this process: tiny real diffusers models (a Flux transformer whose
+attention goes through diffusers' dispatcher, a Stable-Diffusion-shaped UNet) and
+``dispatch_attention_fn`` itself, guarded and unguarded, compared with diffusers' ``native``
+backend.
+
+Here flash-attn is not installed (the ``flash`` / ``flash_varlen`` backends cannot run: attnguard's
+twins carry them), and xformers is the PyPI wheel whose ops do not run on a CPU (the xformers
+backend runs, its kernel calls are rerouted by the xformers integration). Fresh interpreters
+(activation, import orders, flash-attn installed or broken, xformers missing,
+``DIFFUSERS_ATTN_BACKEND``) are tests/test_diffusers_activation.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import names
+
+import attnguard
+from attnguard import callguard, events
+
+try:  # the tests need diffusers' dispatcher; where it does not import, they cannot run
+    import diffusers.models.attention_dispatch as ad
+except Exception as exc:  # pragma: no cover - environment dependent
+    pytest.skip(f"diffusers does not import here: {exc}", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
+import diffusers_worker as dw  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    ad.flash_attn_func is not None, reason="flash-attn importable here: its kernel would run"
+)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_diffusers() -> Any:
+    logging.disable(logging.WARNING)  # "Attention backends are an experimental feature"
+    yield
+    logging.disable(logging.NOTSET)
+    ad._AttentionBackendRegistry.set_active_backend(ad.AttentionBackendName.NATIVE)
+
+
+def _flux() -> tuple[Any, dict[str, Any], torch.Tensor]:
+    model, inputs = dw.tiny_flux(), dw.flux_inputs()
+    return model, inputs, dw.run(model, inputs)
+
+
+def _qkv(b=2, sq=12, sk=12, h=4, hk=4, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, d, generator=g, dtype=dtype)
+    k = torch.randn(b, sk, hk, d, generator=g, dtype=dtype)
+    v = torch.randn(b, sk, hk, d, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _reference(q, k, v, *, causal=False, scale=None, mask=None, window=(-1, -1)):
+    """Attention in float64, flash-attn's conventions: (B, S, H, D), GQA by repeating k/v heads,
+    causal and windows aligned to the bottom-right corner; also the LSE (B, H, Sq)."""
+    h, hk = q.shape[2], k.shape[2]
+    k, v = (x.repeat_interleave(h // hk, dim=2) for x in (k, v))
+    qd, kd, vd = (x.double().transpose(1, 2) for x in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = qd @ kd.transpose(-1, -2) * scale
+    sq, sk = q.shape[1], k.shape[1]
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    s = s.masked_fill(~keep, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.softmax(s, dim=-1) @ vd).transpose(1, 2), lse
+
+
+# --- a backend diffusers cannot run here: the twins ----------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["flash", "flash_varlen"])
+def test_flash_backend_without_flash_attn_runs_on_the_twin_with_natives_numbers(
+    backend: str, captured: list[dict[str, Any]]
+) -> None:
+    model, inputs, ref = _flux()
+    with pytest.raises(RuntimeError, match=f"backend '{backend}' is not usable"):
+        model.set_attention_backend(backend)  # unguarded: diffusers refuses
+    attnguard.activate(log="none")
+    model.set_attention_backend(backend)
+    first, second = dw.run(model, inputs), dw.run(model, inputs)
+    # the twin computes on torch's kernels what flash-attn would: on a CPU exactly native's
+    torch.testing.assert_close(first, ref, rtol=0, atol=1e-6)
+    assert torch.equal(first, second)
+    fallback = [e for e in captured if e["event"] == "backend_fallback"]
+    assert [(e["site"], e["reason_code"], e["requested"], e["selected"]) for e in fallback] == [
+        (f"diffusers.{backend}", "backend_package_unusable", backend, "sdpa")
+    ]
+    assert "flash-attn>=" in fallback[0]["reason"]  # diffusers' own words, kept
+    assert names(captured) == ["backend_fallback"]  # one decision, not one event per call
+
+
+def test_flash_backend_on_the_twin_keeps_diffusers_semantics(guard: Any) -> None:
+    """What diffusers' flash backends hand the kernel, the twin computes as flash-attn does."""
+    ad._check_attention_backend_requirements(ad.AttentionBackendName.FLASH)
+    ad._check_attention_backend_requirements(ad.AttentionBackendName.FLASH_VARLEN)
+    flash, varlen = ad.AttentionBackendName.FLASH, ad.AttentionBackendName.FLASH_VARLEN
+    q, k, v = _qkv()
+    out = ad.dispatch_attention_fn(q, k, v, scale=0.3, backend=flash)
+    torch.testing.assert_close(out, _reference(q, k, v, scale=0.3)[0].float(), atol=2e-6, rtol=0)
+    # causal with fewer queries than keys: bottom-right aligned, as flash-attn (not SDPA's)
+    q, k, v = _qkv(sq=5, sk=12)
+    out = ad.dispatch_attention_fn(q, k, v, is_causal=True, backend=flash)
+    torch.testing.assert_close(out, _reference(q, k, v, causal=True)[0].float(), atol=2e-6, rtol=0)
+    # GQA: k/v with fewer heads; a sliding window through attention_kwargs
+    q, k, v = _qkv(h=4, hk=2)
+    kw = {"window_size": (3, 0)}
+    out = ad.dispatch_attention_fn(q, k, v, attention_kwargs=kw, backend=flash)
+    want = _reference(q, k, v, window=(3, 0))[0].float()
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=0)
+    # the LSE where diffusers asks for it (ring attention merges partial results with it)
+    q, k, v = _qkv()
+    out, lse = ad.dispatch_attention_fn(
+        q, k, v, attention_kwargs={"return_lse": True}, backend=flash
+    )
+    want, want_lse = _reference(q, k, v)
+    torch.testing.assert_close(out, want.float(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(lse, want_lse.float(), atol=2e-5, rtol=0)
+    # diffusers' own refusal of a mask with flash-attn 2 stands, guarded or not
+    with pytest.raises(ValueError, match="attn_mask"):
+        ad.dispatch_attention_fn(
+            q, k, v, attn_mask=torch.ones(2, 12, dtype=torch.bool), backend=flash
+        )
+    # packed rows: flash_varlen drops the padded keys of a right-padded boolean key mask
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 7:] = False
+    out = ad.dispatch_attention_fn(q, k, v, attn_mask=mask, backend=varlen)
+    torch.testing.assert_close(out, _reference(q, k, v, mask=mask)[0].float(), atol=2e-6, rtol=0)
+    # dropout is applied (the twin does not drop the argument)
+    torch.manual_seed(0)
+    dropped = ad.dispatch_attention_fn(q, k, v, dropout_p=0.5, backend=flash)
+    assert not torch.allclose(dropped, ad.dispatch_attention_fn(q, k, v, backend=flash))
+
+
+def test_context_parallel_calls_keep_diffusers_error(captured: list[dict[str, Any]]) -> None:
+    """The twins do not compute diffusers' context-parallel flash path: its kernel functions
+    raise diffusers' own requirements error, with one event, never a different computation."""
+    attnguard.activate(log="none")
+    ad._check_attention_backend_requirements(ad.AttentionBackendName.FLASH)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="backend 'flash' is not usable"):
+            ad._wrapped_flash_attn_forward(*_qkv())
+    refused = [e for e in captured if e["reason_code"] == "no_twin"]
+    assert [(e["event"], e["site"], e["count"]) for e in refused] == [
+        ("observed", "diffusers.flash", 1)
+    ]
+
+
+def test_a_backend_without_twin_keeps_diffusers_error_with_one_event(
+    captured: list[dict[str, Any]],
+) -> None:
+    model, _, _ = _flux()
+    attnguard.activate(log="none")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="Sage Attention backend 'sage' is not usable"):
+            model.set_attention_backend("sage")
+    assert [(e["event"], e["reason_code"], e["count"]) for e in captured[1:]] == [
+        ("observed", "no_twin", 1)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["warn", "strict"])
+def test_warn_and_strict_modes_change_nothing(mode: str, captured: list[dict[str, Any]]) -> None:
+    model, _, _ = _flux()
+    attnguard.activate(log="none", mode=mode)
+    expected = attnguard.AttnGuardError if mode == "strict" else RuntimeError
+    with pytest.raises(expected):
+        model.set_attention_backend("flash")
+    assert ad.flash_attn_func is None  # no twin put in place
+    if mode == "warn":
+        assert [(e["event"], e["applied"]) for e in captured[1:]] == [("backend_fallback", False)]
+
+
+def test_disabled_integration_leaves_diffusers_alone() -> None:
+    model, _, _ = _flux()
+    attnguard.activate(log="none", disable=("diffusers",))
+    with pytest.raises(RuntimeError, match="is not usable"):
+        model.set_attention_backend("flash")
+    assert not hasattr(ad._check_attention_backend_requirements, "__attnguard_original__")
+
+
+def test_deactivate_restores_every_original() -> None:
+    check = ad._check_attention_backend_requirements
+    entries = dict(ad._AttentionBackendRegistry._backends)
+    attnguard.activate(log="none")
+    assert ad._check_attention_backend_requirements is not check
+    ad._check_attention_backend_requirements(ad.AttentionBackendName.FLASH)
+    assert ad.flash_attn_func is not None
+    native = ad._AttentionBackendRegistry._backends[ad.AttentionBackendName.NATIVE]
+    assert native.__attnguard_original__ is entries[ad.AttentionBackendName.NATIVE]
+    attnguard.deactivate()
+    assert ad._check_attention_backend_requirements is check
+    assert ad._AttentionBackendRegistry._backends == entries
+    assert ad.flash_attn_func is None and ad._wrapped_flash_attn_forward is None
+    with pytest.raises(RuntimeError, match="is not usable"):
+        ad._check_attention_backend_requirements(ad.AttentionBackendName.FLASH)
+
+
+# --- a backend that runs: do no harm; and what the per-call guard remedies -----------------------
+
+
+@pytest.mark.parametrize("model_name", ["flux", "unet"])
+def test_nothing_wrong_gives_bit_identical_outputs_and_no_event(
+    model_name: str, captured: list[dict[str, Any]]
+) -> None:
+    build, make_inputs = dw.MODELS[model_name]
+    model, inputs = build(), make_inputs()
+    unguarded = dw.run(model, inputs)
+    attnguard.activate(log="none")
+    if model_name == "flux":  # set explicitly too: the guarded registry entry runs
+        model.set_attention_backend("native")
+    assert torch.equal(dw.run(model, inputs), unguarded)
+    assert names(captured) == []
+
+
+class _MixedDtypeProcessor:
+    """A custom processor whose key and value come out of an fp32 norm while the query is bf16
+    (diffusers' dispatcher passes them on as they are)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ad.dispatch_attention_fn(q.bfloat16(), k, v)
+
+
+def test_mixed_qkv_dtypes_from_a_custom_processor_are_unified(
+    captured: list[dict[str, Any]],
+) -> None:
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _MixedDtypeProcessor()(q, k, v)
+    attnguard.activate(log="none")
+    out = _MixedDtypeProcessor()(q, k, v)
+    want = ad.dispatch_attention_fn(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    unified = [e for e in captured if e["event"] == "qkv_unified"]
+    assert [(e["site"], e["reason_code"], e["to"]) for e in unified] == [
+        ("diffusers.native", "mixed_dtypes", "bfloat16")
+    ]
+
+
+def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
+    captured: list[dict[str, Any]],
+) -> None:
+    """``_native_cudnn`` on a CPU: SDPA has no cuDNN kernel here ("No available kernel" /
+    "No viable backend"); the same SDPA call with SDPA choosing computes it."""
+    model, inputs, ref = _flux()
+    model.set_attention_backend("_native_cudnn")
+    with pytest.raises(RuntimeError, match="No (available kernel|viable backend)"):
+        dw.run(model, inputs)
+    q, k, v = _qkv()
+    lse = {"return_lse": True}  # diffusers' other code path (templated attention)
+    with pytest.raises(Exception) as unguarded:
+        ad.dispatch_attention_fn(q, k, v, attention_kwargs=lse, backend="_native_cudnn")
+    attnguard.activate(log="none")
+    torch.testing.assert_close(dw.run(model, inputs), ref, rtol=0, atol=1e-6)
+    got = [(e["event"], e["reason_code"]) for e in captured[1:]]
+    assert got[:2] == [
+        ("kernel_error_recovered", "no_sdpa_kernel"),
+        ("backend_rerouted", "no_sdpa_kernel"),  # the site's later calls go straight there
+    ]
+    # diffusers' other code path (the LSE) is not the twin's: diffusers' own answer stands
+    with pytest.raises(type(unguarded.value)) as guarded:
+        ad.dispatch_attention_fn(q, k, v, attention_kwargs=lse, backend="_native_cudnn")
+    assert str(guarded.value) == str(unguarded.value)
+
+
+# --- xformers installed, its ops unusable here -------------------------------------------------
+
+
+@pytest.mark.skipif(ad.xops is None, reason="xformers is not importable here")
+def test_xformers_backend_with_unusable_ops_runs_on_the_twin(
+    captured: list[dict[str, Any]],
+) -> None:
+    model, inputs, ref = _flux()
+    model.set_attention_backend("xformers")  # diffusers accepts: xformers is installed
+    with pytest.raises(NotImplementedError, match="No operator found"):
+        dw.run(model, inputs)
+    attnguard.activate(log="none")
+    torch.testing.assert_close(dw.run(model, inputs), ref, rtol=0, atol=1e-6)
+    assert [(e["event"], e["site"], e["reason_code"]) for e in captured[1:]] == [
+        ("backend_rerouted", "xformers.memory_efficient_attention", "cpu_tensors")
+    ]
+    # the calls diffusers makes of xformers: causal (its LowerTriangularMask), a padding mask, GQA
+    q, k, v = _qkv()
+    native = ad.AttentionBackendName.NATIVE
+    for kwargs in ({"is_causal": True}, {"attn_mask": torch.rand(2, 12) > 0.3}):
+        got = ad.dispatch_attention_fn(q, k, v, backend="xformers", **kwargs)
+        torch.testing.assert_close(got, ad.dispatch_attention_fn(q, k, v, backend=native, **kwargs))
+    q, k, v = _qkv(h=4, hk=2)
+    got = ad.dispatch_attention_fn(q, k, v, enable_gqa=True, backend="xformers")
+    want = ad.dispatch_attention_fn(q, k, v, enable_gqa=True, backend=native)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.skipif(ad.xops is None, reason="xformers is not importable here")
+def test_unet_with_xformers_processors_runs_on_the_twin(captured: list[dict[str, Any]]) -> None:
+    """The older path: UNet attention processors calling ``xformers.ops`` directly (what
+    ``enable_xformers_memory_efficient_attention()`` installs on a GPU machine)."""
+    from diffusers.models.attention_processor import XFormersAttnProcessor
+
+    model, inputs = dw.tiny_unet(), dw.unet_inputs()
+    ref = dw.run(model, inputs)
+    model.set_attn_processor(XFormersAttnProcessor())
+    with pytest.raises(NotImplementedError, match="No operator found"):
+        dw.run(model, inputs)
+    attnguard.activate(log="none")
+    torch.testing.assert_close(dw.run(model, inputs), ref, rtol=0, atol=2e-6)
+    assert {e["reason_code"] for e in captured[1:]} == {"cpu_tensors"}
+
+
+def test_xformers_stand_in_builds_xformers_causal_bias() -> None:
+    """Where xformers is missing, diffusers' xformers backend gets attnguard's stand-in for
+    ``xformers.ops``: its LowerTriangularMask is top-left causal, as xformers' own."""
+    from attnguard.integrations.diffusers.twins import kernel_twins
+
+    xops = kernel_twins()["xops"]
+    q, k, v = _qkv(sq=5, sk=9)
+    bias = xops.LowerTriangularMask()
+    got = xops.memory_efficient_attention(q, k, v, bias, 0.0, None)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)),
+        attn_mask=torch.ones(5, 9, dtype=torch.bool).tril(),
+    ).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    mat = bias.materialize((5, 9))
+    assert torch.equal(mat == 0, torch.ones(5, 9, dtype=torch.bool).tril())
+
+
+def test_doctor_lists_diffusers_backends_and_what_computes_them() -> None:
+    from attnguard import doctor
+
+    data = doctor.collect()["diffusers"]
+    rows = {r["name"]: r for r in data["backends"]}
+    assert set(rows) == {b.value for b in ad._AttentionBackendRegistry._backends}
+    assert (
+        rows["flash"]["usable"] is False
+        and "twin of flash_attn_func" in (rows["flash"]["under_attnguard"])
+    )
+    assert rows["native"]["usable"] is True
+    assert "no twin" in rows["sage"]["under_attnguard"]
+    text = doctor.render()
+    assert "diffusers' attention backends" in text and f"diffusers {data['version']}" in text
+
+
+@pytest.fixture(autouse=True)
+def _forget_latches() -> Any:
+    yield
+    callguard.reset_latches()
+    events.reset_counts()
