@@ -106,7 +106,7 @@ def _serve(module: ModuleType, name: str, err: RuntimeError, how: str) -> bool:
         fn = getattr(shape.registry(module), "_backends", {}).get(shape.backends(module).get(name))
         if twinned is None or not _unusable(module, name):
             return _no_twin(name, err, "attnguard has no twin of this backend's kernel")
-        if not shape.calls_globals(fn, twinned.kernels):
+        if not shape.reads_names(fn, twinned.kernels):
             return _no_twin(name, err, f"its function no longer calls {', '.join(twinned.kernels)}")
         if not callguard.decide(
             "fallback",

@@ -42,7 +42,7 @@ def patch(module: ModuleType) -> None:
     """Guard the registry entries of :data:`.shape.GUARDED` that this diffusers registers."""
     held = shape.registry(module)._backends
     for name, key in shape.backends(module).items():
-        if name in shape.GUARDED:
+        if name in shape.GUARDED and shape.takes_qkv(held[key]):
             ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original))
 
 
@@ -53,7 +53,7 @@ def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     twin: Callable[..., Any] | None = None
     if name == shape.NATIVE:
         twin = every_sdpa_kernel(original)
-    elif name in shape.FORCED_SDPA:
+    elif name in shape.FORCED_SDPA and shape.forces_one_sdpa_kernel(original):
         twin = sdpa_unforced
     where = site(name)
     entry = callguard.Entry(

@@ -91,9 +91,9 @@ def backends(module: ModuleType) -> dict[str, Any]:
     return {str(getattr(k, "value", k)): k for k in held}
 
 
-def calls_globals(fn: Any, names: tuple[str, ...]) -> bool:
-    """True when ``fn``'s code reads every one of ``names`` as a global (how a backend function
-    reaches its kernel)."""
+def reads_names(fn: Any, names: tuple[str, ...]) -> bool:
+    """True when ``fn``'s code reads every one of ``names`` (as a global or an attribute: how a
+    backend function reaches its kernel)."""
     fn = getattr(fn, "__attnguard_original__", fn)  # the registry may hold our guarded entry
     code = getattr(fn, "__code__", None)
     return code is not None and all(n in code.co_names for n in names)
@@ -119,11 +119,20 @@ def unrecognised(module: ModuleType) -> str | None:
     names = backends(module)
     if NATIVE not in names:
         return "no native backend in the registry"
-    for name in GUARDED:
-        fn = held.get(names[name]) if name in names else None
-        if fn is not None and not _takes(fn, (*_TENSORS, "attn_mask")):
-            return f"the {name} backend function does not take query, key, value, attn_mask"
+    if not takes_qkv(held[names[NATIVE]]):
+        return "the native backend function does not take query, key, value"
     return None
+
+
+def takes_qkv(fn: Any) -> bool:
+    """A backend function the per-call guard can read: it takes query, key and value."""
+    return _takes(getattr(fn, "__attnguard_original__", fn), _TENSORS)
+
+
+def forces_one_sdpa_kernel(fn: Any) -> bool:
+    """The shape of diffusers' forced torch backends: one SDPA call inside ``sdpa_kernel(...)``
+    (what :func:`.twins.sdpa_unforced` computes without the context)."""
+    return reads_names(fn, ("sdpa_kernel", "scaled_dot_product_attention"))
 
 
 def report_unrecognised(why: str) -> None:
