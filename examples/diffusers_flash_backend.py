@@ -92,7 +92,9 @@ def main() -> None:
         with torch.no_grad():
             out = model(**inputs)[0]
         err = (out - native).abs().max().item()
-        print(f"with attnguard, backend 'flash': {tuple(out.shape)}, max difference to native {err}")
+        print(
+            f"with attnguard, backend 'flash': {tuple(out.shape)}, max difference to native {err}"
+        )
         print(f"MAX_ERR flash vs native: {err:.6f} (scale {native.abs().max().item():.3f})")
     finish(captured)
 

@@ -21,15 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import names
+from conftest import diffusers_dispatch, names
 
 import attnguard
 from attnguard import callguard, events
 
-try:  # the tests need diffusers' dispatcher; where it does not import, they cannot run
-    import diffusers.models.attention_dispatch as ad
-except Exception as exc:  # pragma: no cover - environment dependent
-    pytest.skip(f"diffusers does not import here: {exc}", allow_module_level=True)
+ad = diffusers_dispatch()  # or the module skips, saying why diffusers is not here
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "workers"))
 import diffusers_worker as dw  # noqa: E402
@@ -88,6 +85,7 @@ def _reference(q, k, v, *, causal=False, scale=None, mask=None, window=(-1, -1))
 # --- a backend diffusers cannot run here: the twins ----------------------------------------------
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("backend", ["flash", "flash_varlen"])
 def test_flash_backend_without_flash_attn_runs_on_the_twin_with_natives_numbers(
     backend: str, captured: list[dict[str, Any]]
@@ -269,6 +267,7 @@ def test_deactivate_restores_every_original() -> None:
 # --- a backend that runs: do no harm; and what the per-call guard remedies -----------------------
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("model_name", ["flux", "unet"])
 def test_nothing_wrong_gives_bit_identical_outputs_and_no_event(
     model_name: str, captured: list[dict[str, Any]]

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, STANDINS, subprocess_env
+from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
 
-pytest.importorskip("diffusers.models.attention_dispatch", reason="diffusers does not import here")
+diffusers_dispatch()  # or the module skips, saying why diffusers is not here
 
 WORKER = REPO / "tests" / "workers" / "diffusers_worker.py"
 BROKEN_FLASH = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")

@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import PY, REPO, STANDINS, subprocess_env
+from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
 
 from attnguard import events, facts
 
 EXAMPLES = REPO / "examples"
 BROKEN_DIR = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
 HAS_XFORMERS = importlib.util.find_spec("xformers") is not None
-HAS_DIFFUSERS = importlib.util.find_spec("diffusers") is not None
 BOOKKEEPING = ("activated", "summary")
 
 
@@ -323,8 +322,8 @@ def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
     close_to_reference(run, 0.005)  # fp16 rounding; a wrong mask costs ~2.7
 
 
-@pytest.mark.skipif(not HAS_DIFFUSERS, reason="diffusers is not installed here")
 def test_diffusers_flash_backend_runs_on_the_twin_with_natives_numbers() -> None:
+    diffusers_dispatch()  # or skip, saying why diffusers is not here
     run = run_example("diffusers_flash_backend.py")
     if "without attnguard: RuntimeError: Flash Attention backend 'flash' is not usable" not in (
         run.stdout
