@@ -81,14 +81,14 @@ def collect() -> dict[str, Any]:
         "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
         "kernel_cache": _kernel_cache(),
         "kernel_decisions": _kernel_decisions(),
-        "diffusers": _diffusers().describe(),
+        "diffusers": _diffusers_report().describe(),
     }
 
 
-def _diffusers() -> Any:
-    from .integrations import diffusers
+def _diffusers_report() -> Any:
+    from .integrations.diffusers import report
 
-    return diffusers
+    return report
 
 
 def _twin_table() -> Any:
@@ -109,12 +109,6 @@ def _kernel_decisions() -> list[dict[str, Any]]:
     from .selection.cache import listing
 
     return listing(_kernel_cache())
-
-
-def _diffusers_lines(data: dict[str, Any]) -> list[str]:
-    from .integrations.diffusers.report import lines
-
-    return lines(data)
 
 
 def _sample_request(flash_path: dict[str, Any]) -> Any:
@@ -230,7 +224,7 @@ def render(as_json: bool = False) -> str:
         [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],
     )
     lines += ["", "diffusers' attention backends: usable here, and what computes their calls"]
-    lines += _diffusers_lines(data["diffusers"])
+    lines += _diffusers_report().lines(data["diffusers"])
     lines += ["", "Kernel decisions cached on this machine (ATTNGUARD_KERNEL=fastest)"]
     lines.append(f"  in {printable(_kernel_cache())}")
     cached = data["kernel_decisions"]

@@ -29,7 +29,7 @@ INTEGRATIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "xformers": (("attnguard.patches.xformers", "xformers.ops"),),
     # its own package (attnguard.integrations.diffusers); after flash_attn and xformers, whose
     # guarded functions it binds where diffusers imported the originals
-    "diffusers": ((_diffusers.__name__, _diffusers.TRIGGER),),
+    "diffusers": ((_diffusers.PATCH_MODULE, _diffusers.TRIGGER),),
 }
 
 # integration name -> (distribution, lowest supported version, first unsupported version)

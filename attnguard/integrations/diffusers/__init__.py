@@ -22,43 +22,17 @@ that raises ``RuntimeError`` when the backend's package cannot be used. Patched 
   kernel, "No operator found").
 
 Recognised by the dispatcher's shape (:mod:`.shape`), whatever the version number says; the
-versions tested are declared in :data:`SUPPORTED` and outside them nothing is patched.
+versions tested are declared in :data:`SUPPORTED` and outside them nothing is patched. This module
+holds only the facts attnguard's registry of integrations reads (it imports nothing, so the
+registry imports it without importing the guard); :mod:`.guard` patches and unpatches.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 NAME = "diffusers"
 # the module whose import triggers the patch
 TRIGGER = "diffusers.models.attention_dispatch"
+# the module with patch(module) / unpatch() (attnguard.runtime calls them)
+PATCH_MODULE = f"{__name__}.guard"
 # (distribution, lowest supported version, first unsupported version): the releases tested
 SUPPORTED = ("diffusers", (0, 35), (0, 43))
-
-
-def patch(module: ModuleType) -> None:
-    """Guard diffusers' attention dispatcher (``module`` is its ``attention_dispatch``)."""
-    from . import backends, calls, shape
-
-    why = shape.unrecognised(module)
-    if why is not None:
-        shape.report_unrecognised(why)
-        return
-    backends.patch(module)
-    calls.patch(module)
-
-
-def unpatch() -> None:
-    """Restore everything this integration replaced."""
-    from . import backends, calls
-
-    calls.unpatch()
-    backends.unpatch()
-
-
-def describe() -> dict[str, object]:
-    """diffusers' attention backends on this machine and what computes their calls under
-    attnguard (``attnguard doctor``)."""
-    from .report import describe as _describe
-
-    return _describe()
