@@ -86,11 +86,16 @@ def _reference(q, k, v, *, causal=False, scale=None, mask=None, window=(-1, -1))
 
 
 @pytest.mark.smoke
+@pytest.mark.parametrize("model_name", ["flux", "unet"])
 @pytest.mark.parametrize("backend", ["flash", "flash_varlen"])
 def test_flash_backend_without_flash_attn_runs_on_the_twin_with_natives_numbers(
-    backend: str, captured: list[dict[str, Any]]
+    backend: str, model_name: str, captured: list[dict[str, Any]]
 ) -> None:
-    model, inputs, ref = _flux()
+    """Flux's attention goes through the dispatcher (the twin computes it); the UNet's processors
+    call torch SDPA whatever backend is set: the request must not fail or change its numbers."""
+    build, make_inputs = dw.MODELS[model_name]
+    model, inputs = build(), make_inputs()
+    ref = dw.run(model, inputs)
     with pytest.raises(RuntimeError, match=f"backend '{backend}' is not usable"):
         model.set_attention_backend(backend)  # unguarded: diffusers refuses
     attnguard.activate(log="none")
