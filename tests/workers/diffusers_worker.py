@@ -3,14 +3,18 @@ with the same model on diffusers' ``native`` backend. For tests/test_diffusers_a
 tests/test_diffusers.py (the models) and tests/gpu/test_diffusers_gpu.py.
 
     python diffusers_worker.py [--guard import|none] [--backend B] [--model flux|unet]
-                               [--device D] [--dtype T] [--diffusers-first] [--how set|context|env]
+                               [--device D] [--dtype T] [--diffusers-first]
+                               [--how set|context|env|xformers] [--save PATH]
 
 ``--guard import`` imports attnguard first (activation by import); ``none`` imports nothing of
 attnguard (unguarded, or guarded by the start-up hook / ``attnguard run`` when those activated it
 before this script). ``--diffusers-first`` imports diffusers before attnguard. ``--how`` chooses
 the backend with ``model.set_attention_backend(B)`` (default), the ``attention_backend(B)``
 context manager, or ``DIFFUSERS_ATTN_BACKEND`` (set by the caller; the model then runs on the
-default backend, the reference with ``set_attention_backend("native")``).
+default backend, the reference with ``set_attention_backend("native")``), or
+``model.enable_xformers_memory_efficient_attention()`` (``xformers``: the processors that call
+``xformers.ops`` directly; ``--backend`` unused). ``--save`` writes both outputs (``{"out",
+"native"}``, float32 on the CPU) with ``torch.save``, for comparisons across processes.
 
 Prints one JSON line: ``{"max_diff", "equal", "error", "events", "active", "flash_attn"}`` where
 ``error`` is the first error's type and first line (then no diff), ``events`` every attnguard event
@@ -118,7 +122,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--diffusers-first", action="store_true")
-    p.add_argument("--how", choices=("set", "context", "env"), default="set")
+    p.add_argument("--how", choices=("set", "context", "env", "xformers"), default="set")
+    p.add_argument("--save", default=None)
     args = p.parse_args()
     logging.disable(logging.WARNING)  # diffusers' "experimental feature" warnings
     if args.diffusers_first:
@@ -148,11 +153,16 @@ def main() -> None:
                 if args.how == "context":
                     with attention_backend(args.backend):
                         got_out = run(model, inputs)
+                elif args.how == "xformers":
+                    model.enable_xformers_memory_efficient_attention()
+                    got_out = run(model, inputs)
                 else:
                     model.set_attention_backend(args.backend)
                     got_out = run(model, inputs)
             out["max_diff"] = (got_out - ref).abs().max().item()
             out["equal"] = torch.equal(got_out, ref)
+            if args.save:
+                torch.save({"out": got_out, "native": ref}, args.save)
         except Exception as exc:
             out["error"] = _first_line(exc)
     out["events"] = [
