@@ -58,7 +58,7 @@ REMEDIES = (
 )
 # Integration names are the top-level packages they patch: the start-up hook activates
 # attnguard when one of these is first imported (attnguard._bootstrap).
-INTEGRATIONS = ("transformers", "flash_attn", "xformers")
+INTEGRATIONS = ("transformers", "flash_attn", "xformers", "diffusers")
 
 # ATTNGUARD (the switch) and its words, as the start-up hook's .pth line reads them too.
 _TRUE = ("1", "true", "yes", "on")

@@ -85,7 +85,14 @@ def collect() -> dict[str, Any]:
         "twin_kernels": [dict(r.__dict__) for r in _twin_table()],
         "kernel_cache": _kernel_cache(),
         "kernel_decisions": _kernel_decisions(),
+        "diffusers": _diffusers_report().describe(),
     }
+
+
+def _diffusers_report() -> Any:
+    from .integrations.diffusers import report
+
+    return report
 
 
 def _twin_table() -> Any:
@@ -223,6 +230,8 @@ def render(as_json: bool = False) -> str:
         ["route", "call", "kernel", "when"],
         [[r.id, r.call, r.kernel, r.when] for r in _twin_table()],
     )
+    lines += ["", "diffusers' attention backends: usable here, and what computes their calls"]
+    lines += _diffusers_report().lines(data["diffusers"])
     lines += ["", "Kernel decisions cached on this machine (ATTNGUARD_KERNEL=fastest)"]
     lines.append(f"  in {printable(_kernel_cache())}")
     cached = data["kernel_decisions"]

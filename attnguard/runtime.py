@@ -138,8 +138,11 @@ def versions() -> dict[str, str | None]:
     import platform
     from importlib import metadata
 
+    from .integrations import REGISTRY
+
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for dist in ("attnguard", "torch", "transformers", "flash-attn", "xformers", "accelerate"):
+    patched = [i.distribution for i in REGISTRY]  # each integration's library
+    for dist in dict.fromkeys(("attnguard", "torch", *patched, "accelerate")):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

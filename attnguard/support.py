@@ -43,6 +43,9 @@ TRANSFORMERS_GPU = "5.17.0"  # the GPU suite (scripts/gpu_suite.sh, docs/gpu-res
 
 DEEPSPEED = "0.19.8"  # tests/test_ranks.py's ZeRO-3 run (observed, never patched)
 
+DIFFUSERS_CI = "0.42.1"  # scripts/test.sh
+DIFFUSERS_BY_HAND = ("0.35.2", "0.37.1")  # tests/test_diffusers.py with these on the path
+
 TORCH_CI = "2.13.0"  # CPU build, pinned by scripts/test.sh
 TORCH_GPU = "2.11.0"  # +cu130, the GPU image
 
@@ -73,6 +76,15 @@ MATRIX: tuple[Component, ...] = (
         window("xformers"),
         ("0.0.35",),
         "CI: the PyPI wheel, whose ops do not run on a CPU (the unusable case)",
+    ),
+    Component(
+        "diffusers",
+        window("diffusers"),
+        (DIFFUSERS_CI, *DIFFUSERS_BY_HAND),
+        f"CI: {DIFFUSERS_CI} with the newer transformers lanes (diffusers needs huggingface-hub "
+        ">=1.32, which transformers 4.x excludes: its tests skip there); "
+        f"{', '.join(DIFFUSERS_BY_HAND)}: the in-process diffusers tests, by hand; the GPU suite: "
+        f"{DIFFUSERS_CI} where it is carried",
     ),
 )
 

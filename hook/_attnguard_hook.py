@@ -81,7 +81,7 @@ def register_picklable(wrapper: object, module: str, qualname: str) -> str:
 
 # The libraries whose functions attnguard wraps (attnguard.config.INTEGRATIONS): the only
 # modules a name may make this module import.
-LIBRARIES = ("transformers", "flash_attn", "xformers")
+LIBRARIES = ("transformers", "flash_attn", "xformers", "diffusers")
 
 
 def _held(name: str) -> object:

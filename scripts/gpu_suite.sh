@@ -4,7 +4,8 @@
 # (CUDA 13), transformers 5.17, accelerate, wrapt, pytest; no structlog, no flash-attn, no
 # internet.
 #
-#   device run: command "bash scripts/gpu_suite.sh", carry [".gpu-deps", ".whl"], timeout_s 600
+#   device run: command "bash scripts/gpu_suite.sh", carry [".gpu-deps", ".whl", ".whl-diffusers"],
+#   timeout_s 600
 #
 # .gpu-deps/flash_attn-2.8.3.post2-cp312-sm90-torch2.11-cu130.tar.xz: the real flash-attn wheel
 #   (../shared/wheels), unpacked to /tmp/flashsite; TEST_REAL_FLASH_ATTN_DIR points there. Nothing
@@ -15,6 +16,10 @@
 #   installs them itself and skips with the reason without them.
 # .whl/: structlog and the PyPI xformers 0.0.35 wheel (its CUDA ops do not load next to torch
 #   2.11: the real "xformers unusable" case), installed to /tmp/site.
+# .whl-diffusers/ (scripts/fetch_diffusers_wheels.sh, 19 MB; carry ".whl-diffusers" too when it
+#   fits): diffusers 0.42.1 and what it needs beyond the image, installed to
+#   /tmp/diffusers-site; TEST_DIFFUSERS_DIR points there and only that test's programs put it on
+#   their path. Without it that test skips and says why.
 # attnguard's start-up hook (hook/attnguard.pth, hook/_attnguard_hook.py) is copied into
 #   python3's site-packages so that ATTNGUARD=1 reaches torchrun's workers; attnguard itself comes
 #   from PYTHONPATH. Removed again at exit.
@@ -135,6 +140,19 @@ else
   export PYTHONPATH="$PWD"
 fi
 
+diffusers_line="diffusers: none (.whl-diffusers/ missing): tests/gpu/test_diffusers_gpu.py skips"
+if ls .whl-diffusers/*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/diffusers-site
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/diffusers-site .whl-diffusers/*.whl >>"$log" 2>&1; then
+    export TEST_DIFFUSERS_DIR=/tmp/diffusers-site
+    diffusers_line="diffusers: $(ls .whl-diffusers/*.whl | wc -l) wheels of .whl-diffusers/ -> /tmp/diffusers-site"
+  else
+    diffusers_line="diffusers: pip install of .whl-diffusers/ failed (see the log): its test skips"
+  fi
+fi
+say "$diffusers_line"
+
 flash_tar=$(ls .gpu-deps/flash_attn-*.tar.xz 2>/dev/null | head -n 1)
 flash_line="real flash-attn: none (.gpu-deps/flash_attn-*.tar.xz missing): its tests skip"
 if [ -n "$flash_tar" ]; then
@@ -177,6 +195,7 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>>"$log" || 
   python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" 2>&1 | tail -n 1
   python3 -c "import importlib.metadata as m; print('xformers', m.version('xformers'), '/ structlog', m.version('structlog'))" 2>&1 | tail -n 1
   echo "$flash_line"
+  echo "$diffusers_line"
   echo "start-up hook: ATTNGUARD=1 -> attnguard $hook_check"
   # the device's copy of the tree has no trustworthy .git: name the code by its content instead
   # (the same command on the checkout says which commit that is)

@@ -12,6 +12,12 @@
 #       tests/test_ranks.py's DeepSpeed workers only ($TEST_DEEPSPEED_DIR)
 #   .test-deps/flash-attn-nocuda/      flash-attn 2.8.3 built without its CUDA extension (a broken
 #       install); on the path of the tests that need it only ($TEST_BROKEN_FLASH_ATTN_DIR)
+#   .test-deps/diffusers-0.42.1-pyXY/  diffusers and what it needs that the environment lacks,
+#       resolved together with this environment's torch and transformers; on the PYTHONPATH of
+#       the pytest run. Where pip cannot install diffusers beside this transformers (diffusers
+#       0.42.1 needs huggingface-hub>=1.32, transformers 4.x requires it below 1.0) there is none:
+#       TEST_DIFFUSERS_ABSENT says why and the diffusers tests skip with that reason (elsewhere
+#       TEST_DIFFUSERS_EXPECTED=1: diffusers not importing fails them)
 #
 # Then it runs pytest with any arguments given.
 #
@@ -54,6 +60,40 @@ if [ ! -d "$broken/flash_attn" ]; then
     "$PY" -m pip install -q --no-build-isolation --no-deps --target "$broken" "flash-attn==2.8.3"
 fi
 export TEST_BROKEN_FLASH_ATTN_DIR="$broken"
+
+# diffusers: what pip would add for it, resolved together with this environment's torch and
+# transformers, goes into its directory; made again when it no longer completes the environment or
+# would shadow what this transformers needs (the CI smoke lanes change transformers in one venv).
+diffusers="$deps/diffusers-0.42.1-$py"
+unset TEST_DIFFUSERS_ABSENT TEST_DIFFUSERS_EXPECTED
+tf=$("$PY" -c 'import importlib.metadata as m; print(m.version("transformers"))')
+if ! PYTHONPATH="$diffusers" "$PY" scripts/requirements_met.py "diffusers==0.42.1" >/dev/null ||
+  ! PYTHONPATH="$diffusers" "$PY" scripts/requirements_met.py "transformers==$tf" >/dev/null; then
+  rm -rf "$diffusers"
+  mkdir -p "$deps"
+  plan="$deps/diffusers-plan.json"
+  if "$PY" -m pip install --dry-run --report "$plan" "$TORCH" "transformers==$tf" \
+    "diffusers==0.42.1" >"$deps/diffusers-plan.log" 2>&1; then
+    missing=$("$PY" -c 'import json, sys
+print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
+               for p in json.load(open(sys.argv[1]))["install"]))' "$plan")
+    # shellcheck disable=SC2086 # one word per requirement
+    [ -n "$missing" ] && "$PY" -m pip install -q --no-deps --target "$diffusers" $missing
+  elif grep -q ResolutionImpossible "$deps/diffusers-plan.log"; then
+    why=$(grep -E "^ +[^ ]+ [^ ]+ depends on " "$deps/diffusers-plan.log" | sed 's/^ *//' |
+      paste -sd ';' -)
+    TEST_DIFFUSERS_ABSENT="pip cannot install diffusers 0.42.1 beside transformers $tf"
+    export TEST_DIFFUSERS_ABSENT="$TEST_DIFFUSERS_ABSENT (${why:-conflicting requirements})"
+    echo "$TEST_DIFFUSERS_ABSENT: the diffusers tests skip" >&2
+  else
+    cat "$deps/diffusers-plan.log" >&2
+    exit 1
+  fi
+  rm -f "$plan" "$deps/diffusers-plan.log"
+fi
+[ -d "$diffusers/diffusers" ] && PYTHONPATH="$diffusers${PYTHONPATH:+:$PYTHONPATH}"
+# the tests fail (not skip) where diffusers does not import after this
+[ -z "${TEST_DIFFUSERS_ABSENT:-}" ] && export TEST_DIFFUSERS_EXPECTED=1
 
 set +e
 PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"

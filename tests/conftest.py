@@ -75,6 +75,23 @@ def guard(captured: list[dict[str, Any]]) -> Iterator[Any]:
     yield _activate
 
 
+def diffusers_dispatch() -> Any:
+    """diffusers' attention dispatcher module, or skip the calling test module with the reason.
+    scripts/test.sh provides diffusers where pip can install it beside this environment's
+    transformers and otherwise says why not in TEST_DIFFUSERS_ABSENT; where it provided it
+    (TEST_DIFFUSERS_EXPECTED=1), diffusers failing to import is a failure, not a skip."""
+    absent = os.environ.get("TEST_DIFFUSERS_ABSENT")
+    if absent:
+        pytest.skip(absent, allow_module_level=True)
+    try:
+        import diffusers.models.attention_dispatch as ad
+    except Exception as exc:
+        if os.environ.get("TEST_DIFFUSERS_EXPECTED") == "1":
+            raise
+        pytest.skip(f"diffusers does not import here: {exc!r}", allow_module_level=True)
+    return ad
+
+
 def names(evts: list[dict[str, Any]], *, skip: tuple[str, ...] = ("activated",)) -> list[str]:
     """Event names in order, without bookkeeping events."""
     return [e["event"] for e in evts if e["event"] not in skip]

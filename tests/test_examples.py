@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import PY, REPO, STANDINS, subprocess_env
+from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
 
 from attnguard import facts
 from attnguard.observability import events
@@ -175,6 +175,7 @@ def test_every_example_has_a_test() -> None:
         "family_e_fp32_flash.py",
         "broken_flash_install.py",
         "xformers_unusable.py",
+        "diffusers_flash_backend.py",
     }
     present = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
     assert present == tested
@@ -322,3 +323,26 @@ def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
     assert "flash" not in summary["reason"]
     assert set(run.errors) == {"tensor bias", "LowerTriangularMask", "BlockDiagonalMask"}
     close_to_reference(run, 0.005)  # fp16 rounding; a wrong mask costs ~2.7
+
+
+def test_diffusers_flash_backend_runs_on_the_twin_with_natives_numbers() -> None:
+    diffusers_dispatch()  # or skip, saying why diffusers is not here
+    run = run_example("diffusers_flash_backend.py")
+    if "without attnguard: RuntimeError: Flash Attention backend 'flash' is not usable" not in (
+        run.stdout
+    ):
+        pytest.skip("flash-attn can be used here: nothing for the guard to carry")
+    assert run.events == ["qkv_unified", "backend_fallback"]
+    assert [(e["site"], e["reason_code"]) for e in run.caused()] == [
+        ("diffusers.native", "mixed_dtypes"),
+        ("diffusers.flash", "backend_package_unusable"),
+    ]
+    assert "Expected query, key, and value to have the same dtype" in run.stdout
+    how_it_works_says("diffusers_flash_backend.py", run)
+    # what to change, for a diffusers backend: diffusers' words, not transformers'
+    (summary,) = [e for e in run.logged if e["event"] == "summary"]
+    assert summary["advice"] and all(
+        "attn_implementation" not in a["hint"] for a in summary["advice"]
+    )
+    assert set(run.errors) == {"flash vs native", "mixed dtypes"}
+    close_to_reference(run, 1e-6)  # the same numbers as diffusers' native backend

@@ -128,7 +128,11 @@ def test_extras_install_only_versions_the_guard_patches() -> None:
     """An extra derived from the integration's declared window: pip cannot install a flash-attn or
     xformers that the integration then declines to patch."""
     extras = PYPROJECT["project"]["optional-dependencies"]
-    for extra, integration in (("flash", "flash_attn"), ("xformers", "xformers")):
+    for extra, integration in (
+        ("flash", "flash_attn"),
+        ("xformers", "xformers"),
+        ("diffusers", "diffusers"),
+    ):
         declared = by_name(integration)
         want = (declared.distribution, declared.window())
         assert [requirement(r) for r in extras[extra]] == [want], extra
@@ -169,6 +173,7 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     assert pins["torch"] == support.TORCH_CI
     assert pins["xformers"] in support.COMPONENTS["xformers"].tested
     assert pins["flash-attn"] in support.COMPONENTS["flash-attn"].tested
+    assert pins["diffusers"] == support.DIFFUSERS_CI
     assert pins["deepspeed"] == support.DEEPSPEED
     ray = re.search(r'"ray==([\d.]+)"', CI_RUN).group(1)
     also = readme_section("Compatibility")
@@ -192,7 +197,7 @@ def test_the_readme_compatibility_table_is_the_matrix() -> None:
         assert supported == component.supported, name
         assert versions_in(tested) == list(component.tested), name
     # the windows named in prose are the integrations' windows too
-    for integration in ("transformers", "flash_attn", "xformers"):
+    for integration in ("transformers", "flash_attn", "xformers", "diffusers"):
         assert support.window(integration) in readme_section("Compatibility")
 
 
@@ -201,7 +206,7 @@ def test_the_readme_install_and_test_commands_agree_with_the_test_command() -> N
     assert pinned == {support.TORCH_CI}
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme_section("Install")
     extras = PYPROJECT["project"]["optional-dependencies"]
-    for extra in ("flash", "xformers"):
+    for extra in ("flash", "xformers", "diffusers"):
         dist, spec = requirement(extras[extra][0])
         assert f"`{extra}` ({dist} {spec})" in readme_section("Install")
     tests = readme_section("Run the tests")
@@ -213,11 +218,13 @@ def test_the_readme_install_and_test_commands_agree_with_the_test_command() -> N
         ("xformers", "xformers", "xformers"),
         ("deepspeed", "DeepSpeed", "deepspeed"),
         ("flash-attn", "flash-attn", "broken"),
+        ("diffusers", "diffusers", "diffusers"),
     ):
         version = re.search(rf'"{dist}==([\d.]+)"', TEST_SH).group(1)
         assert f"{label} {version}" in tests
         assert f'{var}="$deps/' in TEST_SH and f'--target "${var}"' in TEST_SH, dist
     assert 'PYTHONPATH="$xformers' in TEST_SH  # on the test run's path, not in the environment
+    assert 'PYTHONPATH="$diffusers' in TEST_SH
 
 
 # --- the version policy's fixed words ---------------------------------------------------------------

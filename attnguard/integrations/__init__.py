@@ -10,6 +10,7 @@ what it needs as arguments; the core imports no integration.
 
 from __future__ import annotations
 
+from .diffusers import INTEGRATION as DIFFUSERS
 from .flash_attn import INTEGRATION as FLASH_ATTN
 from .protocol import Integration, LibraryIntegration, Part
 from .torch_distributed import INTEGRATION as TORCH_DISTRIBUTED
@@ -18,8 +19,15 @@ from .xformers import INTEGRATION as XFORMERS
 
 __all__ = ["REGISTRY", "Integration", "LibraryIntegration", "Part", "by_name"]
 
-# every integration, in patch order
-REGISTRY: tuple[Integration, ...] = (TRANSFORMERS, FLASH_ATTN, XFORMERS, TORCH_DISTRIBUTED)
+# every integration, in patch order (diffusers after flash_attn and xformers: it binds their
+# guarded functions where diffusers imported the originals)
+REGISTRY: tuple[Integration, ...] = (
+    TRANSFORMERS,
+    FLASH_ATTN,
+    XFORMERS,
+    DIFFUSERS,
+    TORCH_DISTRIBUTED,
+)
 
 
 def by_name(name: str) -> Integration:

@@ -139,6 +139,28 @@ _TABLE: tuple[Reason, ...] = (
         "every part of the model supports",
     ),
     Reason(
+        "backend_package_unusable",
+        _FALLBACK,
+        "a diffusers attention backend was requested whose package diffusers cannot use here "
+        "(not installed, fails to import, too old): its calls run on attnguard's twin of that "
+        "package's function",
+        'install the backend\'s package for this torch, or model.set_attention_backend("native")',
+    ),
+    Reason(
+        "no_twin",
+        ("observed",),
+        "the requested attention backend cannot run here and attnguard has no twin that computes "
+        "its calls (or this kind of call): the library's own error stands",
+        "install the backend's package, or choose a backend that runs here",
+    ),
+    Reason(
+        "dispatch_unrecognised",
+        ("observed",),
+        "diffusers' attention dispatch is not shaped as attnguard knows it (a release attnguard "
+        "has not seen): left unguarded",
+        "upgrade attnguard for this diffusers release",
+    ),
+    Reason(
         "no_fallback_usable",
         ("observed",),
         "no backend of ATTNGUARD_FALLBACK is usable and supported by the model",

@@ -211,3 +211,13 @@ def flash_attn_with_kvcache(
         lses.append(l_)
     out = torch.cat(outs)
     return (out, torch.cat(lses)) if return_softmax_lse else out
+
+
+# The real module's internal wrappers of its custom ops, which diffusers' context-parallel
+# attention imports (diffusers >= 0.36): present with the real names, not implemented.
+def _wrapped_flash_attn_forward(*args, **kwargs):
+    raise _not_implemented("_wrapped_flash_attn_forward")
+
+
+def _wrapped_flash_attn_backward(*args, **kwargs):
+    raise _not_implemented("_wrapped_flash_attn_backward")
