@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .errors import AttnGuardError
     from .runtime import activate, configure, deactivate, finish, is_active, settings
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttnGuardError",
