@@ -195,6 +195,7 @@ def flash_attn_with_kvcache(
     window = normalize_window(window_size, causal, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
     q_per_position = window[0] >= 0 or window[1] >= 0
+    attention_sinks.check(s_aux, h)
     # One query token on rows 0..B-1 of the cache and nothing the decode kernel does not
     # compute: the whole step in one launch, where Triton is here (triton_decode's module doc).
     if (
@@ -209,7 +210,6 @@ def flash_attn_with_kvcache(
         and not compiling()
         and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
     ):
-        attention_sinks.check(s_aux, h)
         done = triton_decode.decode(
             q,
             k_cache,
@@ -231,7 +231,6 @@ def flash_attn_with_kvcache(
     new_kv_fits = k is None or (
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
     )
-    attention_sinks.check(s_aux, h)
     route = routes.kvcache(
         flash_ok=new_kv_fits
         and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)

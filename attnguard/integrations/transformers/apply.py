@@ -319,32 +319,39 @@ def _run_load(
 
 def _fallback_load_failed(scope: Scope, exc: BaseException, backend: Any) -> None:
     """The load with the fallback backend attnguard chose failed (a part of the model, such as
-    a vision tower, does not support that backend in this release): step aside, and say so
-    once. The load then runs as requested, as it would without attnguard, and its error
-    (transformers' own) is the caller's."""
-    events.emit(  # the error's type only: its text may carry the caller's paths
-        "observed",
-        site=scope.site,
-        reason_code="fallback_model_unrunnable",
-        reason=f"{scope.model} did not load with the fallback backend {backend!r} "
-        f"({type(exc).__name__}); left as is: the load runs as requested, as it would without "
-        "attnguard",
-        model=scope.model,
-        error_type=type(exc).__name__,
+    a vision tower, does not support that backend in this release)."""
+    _stepped_aside(
+        scope,
+        exc,
+        "fallback_model_unrunnable",
+        tried=f"with the fallback backend {backend!r}",
+        runs="as requested, as it would without attnguard",
     )
 
 
 def _twins_load_failed(scope: Scope, exc: BaseException) -> None:
     """The load on transformers' flash path with the twins failed (the model's own flash code
-    needs more of flash-attn than its kernels): step aside, and say so once. The load then runs
-    as it would without attnguard, and its error (transformers' own) is the caller's."""
+    needs more of flash-attn than its kernels)."""
+    _stepped_aside(
+        scope,
+        exc,
+        "flash_model_unrunnable",
+        tried="on transformers' flash code path with attnguard's SDPA twins",
+        runs="as it would without attnguard",
+    )
+
+
+def _stepped_aside(
+    scope: Scope, exc: BaseException, reason_code: str, *, tried: str, runs: str
+) -> None:
+    """A remedied load failed: step aside, and say so once. The load then runs without the
+    remedy, and its error (transformers' own) is the caller's."""
     events.emit(  # the error's type only: its text may carry the caller's paths
         "observed",
         site=scope.site,
-        reason_code="flash_model_unrunnable",
-        reason=f"{scope.model} did not load on transformers' flash code path with attnguard's "
-        f"SDPA twins ({type(exc).__name__}); left as is: the load runs as it would without "
-        "attnguard",
+        reason_code=reason_code,
+        reason=f"{scope.model} did not load {tried} ({type(exc).__name__}); left as is: the load "
+        f"runs {runs}",
         model=scope.model,
         error_type=type(exc).__name__,
     )
