@@ -22,7 +22,7 @@ import inspect
 from typing import Any
 
 import torch
-from workers.zoo_entries import Entry, entries  # noqa: F401 (re-exported)
+from workers.zoo_entries import Entry, entries, unimportable  # noqa: F401 (re-exported)
 from workers.zoo_inputs import (  # noqa: F401 (the zoo's inputs, re-exported)
     LENGTH,
     _int,

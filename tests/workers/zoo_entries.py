@@ -26,6 +26,21 @@ class Entry:
 
 def entries() -> list[Entry]:
     """One flash-declaring class per model type, sorted by model type."""
+    return _enumerate()[0]
+
+
+def unimportable() -> dict[str, str]:
+    """Model types none of whose classes could be imported here (a module that needs a package
+    this environment lacks, such as torchvision): model type -> the import error, first line."""
+    return _enumerate()[1]
+
+
+_CACHE: list[tuple[list[Entry], dict[str, str]]] = []
+
+
+def _enumerate() -> tuple[list[Entry], dict[str, str]]:
+    if _CACHE:
+        return _CACHE[0]
     import transformers
     from transformers.models.auto import modeling_auto
 
@@ -36,6 +51,7 @@ def entries() -> list[Entry]:
         if n.startswith("MODEL") and n.endswith("_MAPPING_NAMES") and n not in _FIRST
     )
     found: dict[str, Entry] = {}
+    failed: dict[str, str] = {}
     for name in names:
         mapping = getattr(modeling_auto, name)
         if not isinstance(mapping, dict):
@@ -44,12 +60,21 @@ def entries() -> list[Entry]:
             if model_type in found:
                 continue
             for cls_name in classes if isinstance(classes, (list, tuple)) else [classes]:
-                cls = getattr(transformers, cls_name, None)
+                try:  # transformers' lazy module imports the model's file here
+                    cls = getattr(transformers, cls_name, None)
+                except Exception as exc:  # noqa: BLE001 (any import error of that file)
+                    failed.setdefault(model_type, f"{cls_name}: {exc!r}".splitlines()[0][:300])
+                    continue
                 if cls is not None and _declares_flash(cls) and _has_forward(cls):
                     short = name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES")
                     found[model_type] = Entry(model_type, cls_name, short)
                     break
-    return [found[k] for k in sorted(found)]
+    result = (
+        [found[k] for k in sorted(found)],
+        {k: v for k, v in sorted(failed.items()) if k not in found},
+    )
+    _CACHE.append(result)
+    return result
 
 
 def _has_forward(cls: type) -> bool:
