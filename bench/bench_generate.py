@@ -343,7 +343,18 @@ def _decided(entry_name: str) -> tuple[str, Any]:
 
 
 def part_host(args: argparse.Namespace) -> list[str]:
-    """Host µs per flash_attn_func call, decode-shaped: what the guard and fastest add."""
+    """Host µs per flash_attn_func call, decode-shaped: what the guard and fastest add, for a
+    call under ``torch.no_grad()`` (as ``generate`` makes it) and one with autograd on."""
+    import torch
+
+    lines = []
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            lines += _host_rows("autograd on" if grad else "no_grad, as in generate")
+    return lines
+
+
+def _host_rows(label: str) -> list[str]:
     import torch
 
     from attnguard import callguard, kernels, runtime
@@ -386,13 +397,13 @@ def part_host(args: argparse.Namespace) -> list[str]:
     use("fastest")
     guarded(*meta, **kw)  # meta tensors are no CUDA call: seed the served bucket by hand
     sig = buckets.signature("flash_attn_func", tuple(meta), kw)
-    decisions._state.served.setdefault("flash_attn_func", {})[sig] = ([0], serving, True)
+    decisions._remember("flash_attn_func", sig, [0], serving, True)
     results["fastest"] = host_us(lambda: guarded(*meta, **kw), n * 10)
     results["served"] = host_us(lambda: serving(tuple(meta), kw), n * 10)
     decisions.reset()
     use("off")
     lines.append(
-        f"| host µs, this CPU, stub kernel: original {results['stub']:.2f}; guarded "
+        f"| host µs, {label}, this CPU, stub kernel: original {results['stub']:.2f}; guarded "
         f"{results['guarded']:.2f} (+{results['guarded'] - results['stub']:.2f}); fastest, "
         f"decided bucket {results['fastest']:.2f} (+{results['fastest'] - results['served']:.2f} "
         f"over its kernel {results['served']:.2f}) | | | |"
@@ -421,9 +432,10 @@ def part_host(args: argparse.Namespace) -> list[str]:
     real["served"] = host_us(serve, n)
     use("off")
     lines.append(
-        f"| host µs, GPU, flash_attn_func decode call: flash-attn {real['flash-attn']:.2f}; "
-        f"guarded {real['guarded']:.2f} (+{real['guarded'] - real['flash-attn']:.2f}); fastest "
-        f"({winner} serves) {real['fastest']:.2f}, its kernel alone {real['served']:.2f} "
+        f"| host µs, {label}, GPU, flash_attn_func decode call: flash-attn "
+        f"{real['flash-attn']:.2f}; guarded {real['guarded']:.2f} "
+        f"(+{real['guarded'] - real['flash-attn']:.2f}); fastest ({winner} serves) "
+        f"{real['fastest']:.2f}, its kernel alone {real['served']:.2f} "
         f"(+{real['fastest'] - real['served']:.2f}) | | | |"
     )
     return lines

@@ -44,7 +44,8 @@
 # Time: the device tool stops a command at 600 s, so the whole script keeps to SUITE_BUDGET_S
 # (default 560 s). Every part has a hard limit (its whole process tree is killed at it):
 # SUITE_TESTS_LIMIT_S (default 330, tests and multigpu), SUITE_BENCH_TWINS_S (200),
-# SUITE_BENCH_KERNEL_S (260), SUITE_BENCH_KVCACHE_S (60), SUITE_BENCH_GENERATE_S (100),
+# SUITE_BENCH_KERNEL_S (260), SUITE_BENCH_KVCACHE_S (60), SUITE_BENCH_GENERATE_S (100; its
+# arguments SUITE_BENCH_GENERATE_ARGS, default "--rounds 6 --seconds 45"),
 # SUITE_BENCH_FALLBACK_S (200),
 # SUITE_BENCH_MULTIGPU_S (150), each cut to what the budget has left. Run the parts in two calls
 # (SUITE_PARTS="tests multigpu", then SUITE_PARTS=bench) to give each more time.
@@ -385,7 +386,9 @@ if [[ $parts == *" bench "* ]]; then
       # short versions: the KV-cache twin per call and per decode step against the real kernel;
       # generate / a decode step / host µs per call without attnguard, guarded and fastest
       bench_kvcache) lim=${SUITE_BENCH_KVCACHE_S:-60} args=(--parts calls,step --rounds 3 --iters 50) ;;
-      bench_generate) lim=${SUITE_BENCH_GENERATE_S:-100} args=(--rounds 6 --seconds 45) ;;
+      bench_generate) # SUITE_BENCH_GENERATE_ARGS: the long run, e.g. "--seconds 480"
+        lim=${SUITE_BENCH_GENERATE_S:-100}
+        read -r -a args <<<"${SUITE_BENCH_GENERATE_ARGS:---rounds 6 --seconds 45}" ;;
       *) lim=${SUITE_BENCH_FALLBACK_S:-200} ;;
     esac
     bench "$b" "$(min "$lim" $(($(left) - 15 - reserve)))" \

@@ -96,15 +96,25 @@ def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
         if len(args) != 3 or "alibi_slopes" in kwargs:
             return None
         q, k, v = args
-        try:  # tensors (the guard has read their dtypes): direct reads, the cheapest
-            grad = sys.modules["torch"].is_grad_enabled() and (
-                q.requires_grad or k.requires_grad or v.requires_grad
+        grad_enabled = _GRAD_ENABLED[0]
+        if grad_enabled is None:  # looked up once: a decode loop asks at every call
+            grad_enabled = _GRAD_ENABLED[0] = sys.modules["torch"].is_grad_enabled
+        try:  # tensors (the guard has read their dtypes): direct reads, the cheapest; with the
+            # dtypes and devices of all three: what the call guard checks, so a call whose
+            # signature was served once passes the guard's check (callguard)
+            return (
+                q.shape,
+                k.shape,
+                q.dtype,
+                k.dtype,
+                v.dtype,
+                q.get_device(),
+                k.get_device(),
+                v.get_device(),
+                q.is_cuda,
+                grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                *kwargs.items(),
             )
-            # with the dtypes and devices of all three: what the call guard checks, so a call
-            # whose signature was served once passes the guard's check (callguard)
-            devices = q.get_device(), k.get_device(), v.get_device()
-            dtypes = q.dtype, k.dtype, v.dtype
-            return (q.shape, k.shape, *dtypes, *devices, q.is_cuda, grad, *kwargs.items())
         except (AttributeError, TypeError):
             return None
     if entry != "flash_attn_with_kvcache" or not args:
@@ -134,6 +144,7 @@ def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 
 
 _TENSOR: list[Any] = [None]
+_GRAD_ENABLED: list[Any] = [None]  # torch.is_grad_enabled, once torch is imported
 
 
 def _grad_enabled() -> bool:

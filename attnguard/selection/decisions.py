@@ -449,13 +449,12 @@ def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
     the call's :func:`buckets.signature` alone; :data:`UNSERVED` where that signature has not
     been served yet (or the mode changed since, or inside a trace): :func:`serve` decides.
     Raises TypeError for an unhashable argument."""
-    if _is_compiling():
+    table = _state.served.get(name)
+    # (torch's is_compiling, bound when the table was made: a decode loop asks at every call)
+    if table is None or _COMPILING[0]():
         return UNSERVED
     sig = buckets.signature(name, args, kwargs)
-    table = _state.served.get(name) if sig is not None else None
-    if table is None:
-        return UNSERVED
-    hit = table.get(sig)
+    hit = table.get(sig) if sig is not None else None
     if hit is None or hit[2] is not apply:
         return UNSERVED
     if hit[0] is not None:
@@ -464,17 +463,22 @@ def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
 
 
 def _is_compiling() -> bool:
-    """events.is_compiling, with torch's function looked up once (a decode loop asks at every
-    call)."""
+    """Whether a torch.compile trace is running."""
     fn = _COMPILING[0]
     if fn is None:
-        try:
-            import torch
-
-            fn = _COMPILING[0] = torch.compiler.is_compiling
-        except Exception:
-            return events.is_compiling()
+        fn = _COMPILING[0] = _compiling_check()
     return bool(fn())
+
+
+def _compiling_check() -> Any:
+    """torch.compiler.is_compiling itself, looked up once (a trace sees its call; a decode loop
+    asks at every call), or events.is_compiling where torch's cannot be had."""
+    try:
+        import torch
+
+        return torch.compiler.is_compiling
+    except Exception:
+        return events.is_compiling
 
 
 _COMPILING: list[Any] = [None]
@@ -483,6 +487,8 @@ _COMPILING: list[Any] = [None]
 def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
     """Serve later calls of this signature straight away (bounded: a job whose shapes never
     repeat starts over rather than grow)."""
+    if _COMPILING[0] is None:  # before the first table: served() calls it with the table
+        _COMPILING[0] = _compiling_check()
     table = _state.served.get(name)
     if table is None or len(table) >= _SERVED_MAX:
         table = _state.served[name] = {}
