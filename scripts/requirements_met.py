@@ -1,4 +1,5 @@
-"""Exit 0 when a requirement and everything it needs (no extras) are installed on ``sys.path``;
+"""Exit 0 when a requirement and everything it needs (with its own extras, if it names any) are
+installed on ``sys.path``;
 else exit 1 and name what is missing. ``scripts/test.sh`` runs it with a ``.test-deps/``
 directory on ``PYTHONPATH`` to decide whether that directory still completes this environment
 (it holds only what the environment lacked when it was made).
@@ -15,13 +16,17 @@ from packaging.requirements import Requirement
 
 
 def unmet(root: str) -> list[str]:
-    todo, seen, missing = [Requirement(root)], set(), []
+    """What is missing for ``root``: its requirements and theirs, with the root's extras (the
+    requirements' own extras are not followed)."""
+    first = Requirement(root)
+    todo, seen, missing = [first], set(), []
     while todo:
         req = todo.pop()
         key = req.name.lower().replace("_", "-")
         if key in seen:
             continue
         seen.add(key)
+        extras = sorted(req.extras) if req is first else []
         try:
             version = metadata.version(req.name)
         except metadata.PackageNotFoundError:
@@ -32,7 +37,9 @@ def unmet(root: str) -> list[str]:
             continue
         for line in metadata.requires(req.name) or []:
             dep = Requirement(line)
-            if dep.marker is None or dep.marker.evaluate({"extra": ""}):
+            if dep.marker is None or any(
+                dep.marker.evaluate({"extra": extra}) for extra in ["", *extras]
+            ):
                 todo.append(dep)
     return missing
 

@@ -23,13 +23,24 @@
 #
 #   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
 #   TEST_DEPS_DIR=/elsewhere bash scripts/test.sh       # .test-deps/ somewhere else (CI streams)
+#   TEST_REUSE_INSTALL=1 TRANSFORMERS_VERSION=...       # CI's smoke lanes: swap transformers only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH="torch==2.13.0"
 pin=()
 [ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
-"$PY" -m pip install -q "$TORCH" "${pin[@]}" -e ".[test]"
+install() { "$PY" -m pip install -q "$TORCH" "${pin[@]}" -e ".[test]"; }
+met() { "$PY" scripts/requirements_met.py "$@" >/dev/null 2>&1; }
+if [ "${TEST_REUSE_INSTALL:-0}" = 1 ] && [ -n "${TRANSFORMERS_VERSION:-}" ] && met "attnguard[test]"; then
+  # CI's smoke lanes (TEST_REUSE_INSTALL=1): this checkout is installed in the venv already and
+  # only transformers changes; everything is installed as above wherever that leaves a
+  # requirement unmet
+  "$PY" -m pip install -q --no-deps "transformers==$TRANSFORMERS_VERSION"
+  { met "transformers==$TRANSFORMERS_VERSION" && met "attnguard[test]"; } || install
+else
+  install
+fi
 deps="${TEST_DEPS_DIR:-$PWD/.test-deps}" # CI gives each of its parallel streams its own
 py=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])') # compiled parts differ
 
