@@ -35,7 +35,11 @@ def imp(name: str) -> None:
         __import__(name)
         results[name] = "ok"
     except BaseException as exc:  # what it raised is part of the answer, never a hang
-        results[name] = f"{type(exc).__name__}: {exc}"
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-3:]  # where, should it ever happen
+        at = " <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(where))
+        results[name] = f"{type(exc).__name__}: {exc} (at {at})"
 
 
 worker = threading.Thread(target=imp, args=(second,), daemon=True)
