@@ -247,7 +247,6 @@ def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return path
 
 
-@pytest.mark.smoke  # every release with GPT-OSS: how its flash path hands the sinks on
 def test_gpt_oss_on_the_flash_path_equals_eager_forward_and_backward(gpt_oss: Any) -> None:
     """A GPT-OSS flash request where flash-attn is missing: transformers would route it to a hub
     kernel with sinks; guarded, the twins compute the sinks. Logits and every gradient equal the
