@@ -464,21 +464,22 @@ def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
 
 def _is_compiling() -> bool:
     """Whether a torch.compile trace is running."""
-    fn = _COMPILING[0]
-    if fn is None:
-        fn = _COMPILING[0] = _compiling_check()
-    return bool(fn())
+    return bool(_compiling_check()())
 
 
 def _compiling_check() -> Any:
     """torch.compiler.is_compiling itself, looked up once (a trace sees its call; a decode loop
     asks at every call), or events.is_compiling where torch's cannot be had."""
-    try:
-        import torch
+    fn = _COMPILING[0]
+    if fn is None:
+        try:
+            import torch
 
-        return torch.compiler.is_compiling
-    except Exception:
-        return events.is_compiling
+            fn = torch.compiler.is_compiling
+        except Exception:
+            fn = events.is_compiling
+        _COMPILING[0] = fn
+    return fn
 
 
 _COMPILING: list[Any] = [None]
@@ -487,8 +488,7 @@ _COMPILING: list[Any] = [None]
 def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
     """Serve later calls of this signature straight away (bounded: a job whose shapes never
     repeat starts over rather than grow)."""
-    if _COMPILING[0] is None:  # before the first table: served() calls it with the table
-        _COMPILING[0] = _compiling_check()
+    _compiling_check()  # bound before the first table: served() calls it with the table
     table = _state.served.get(name)
     if table is None or len(table) >= _SERVED_MAX:
         table = _state.served[name] = {}

@@ -5,6 +5,7 @@ them)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 # mapping names in the order their classes stand for a model type
@@ -35,12 +36,8 @@ def unimportable() -> dict[str, str]:
     return _enumerate()[1]
 
 
-_CACHE: list[tuple[list[Entry], dict[str, str]]] = []
-
-
+@functools.cache
 def _enumerate() -> tuple[list[Entry], dict[str, str]]:
-    if _CACHE:
-        return _CACHE[0]
     import transformers
     from transformers.models.auto import modeling_auto
 
@@ -69,12 +66,10 @@ def _enumerate() -> tuple[list[Entry], dict[str, str]]:
                     short = name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES")
                     found[model_type] = Entry(model_type, cls_name, short)
                     break
-    result = (
+    return (
         [found[k] for k in sorted(found)],
         {k: v for k, v in sorted(failed.items()) if k not in found},
     )
-    _CACHE.append(result)
-    return result
 
 
 def _has_forward(cls: type) -> bool:
