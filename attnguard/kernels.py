@@ -17,7 +17,13 @@ The questions, in the order they are asked (:data:`QUESTIONS`; ``attnguard docto
    not, transformers' flash code path is kept and its kernel functions are served by the twins
    (rule ``flash-on-sdpa``), or the model loads with a fallback backend (the other rules of
    :data:`attnguard.plan.TABLE`). One ``backend_fallback`` event at load says so; calls computed
-   this way are not events one by one: they are what the load decided.
+   this way are not events one by one: they are what the load decided. Where the library loads
+   flash attention from the Hugging Face kernel hub instead (an ``"org/repo"`` request,
+   transformers' own fallback when flash-attn is missing, a model routed to a hub kernel,
+   diffusers' ``*_hub`` backends), the library tries to load it as it would without attnguard:
+   a hub kernel that loads computes every call, untouched; one that cannot load is computed by
+   the twins where its functions are flash-attn's (:data:`HUB_FLASH_KERNELS`), else attnguard
+   steps aside (:func:`when_hub_kernel_fails`).
 2. **Per call**: is this site latched after a kernel error? (``attnguard.callguard.latched``):
    then the call goes straight to the twin.
 3. **Per call**: can the requested kernel take this call? (:func:`reroute_reason`,
@@ -47,8 +53,11 @@ q/k/v are cast to the half dtype for it and the output back (``qkv_unified``, ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
+
+from .facts import hub
 
 if TYPE_CHECKING:
     from ._settings import Settings
@@ -64,6 +73,7 @@ class Kernel(StrEnum):
     SDPA = "sdpa"  # transformers' sdpa implementation (never attnguard's twin)
     EAGER = "eager"  # transformers' eager implementation
     FLEX = "flex_attention"  # transformers' flex attention
+    HUB = "hub_kernel"  # a kernel from the Hugging Face kernel hub (events name its repo)
     # what attnguard computes a call with instead
     SDPA_TWIN = "sdpa_twin"  # attnguard's twin of the requested function, on torch's kernels
 
@@ -97,6 +107,12 @@ QUESTIONS: tuple[tuple[str, str, str], ...] = (
         "load time, per process",
         "can the requested kernel run here at all?",
         "attnguard.kernels.flash_kernel_unusable (facts) -> attnguard.plan.TABLE",
+    ),
+    (
+        "load time, per hub kernel",
+        "where flash attention comes from the kernel hub: does the hub kernel load? if not, are "
+        "its functions flash-attn's?",
+        "the library's own loader (facts.hub) -> attnguard.kernels.when_hub_kernel_fails",
     ),
     ("per call", "is this site latched after a kernel error?", "attnguard.callguard.latched"),
     (
@@ -187,3 +203,121 @@ def flash_kernel_unusable(implementation: str, settings: Settings | None = None)
 
     status = facts.current(settings).backend(implementation)
     return None if status.usable else status.reason_code
+
+
+# Hub kernels whose functions are flash-attn's own (the same names, arguments and numbers): where
+# one cannot load, attnguard's twins of those functions compute its calls. Any other hub kernel (a
+# repo attnguard does not know, one function picked by "org/repo:function", block-sparse or
+# quantized attention such as MiniMaxAI/msa or SageAttention) is not computed by attnguard.
+HUB_FLASH_KERNELS: dict[str, str] = {
+    "kernels-community/flash-attn": "flash-attn 2",
+    "kernels-community/flash-attn2": "flash-attn 2",
+    "kernels-community/flash-attn3": "flash-attn 3",
+    "kernels-community/vllm-flash-attn3": "flash-attn 3 (vLLM's build, with attention sinks)",
+    "kernels-community/flash-attn4": "flash-attn 4",
+}
+
+
+def hub_twin_of(name: str) -> str | None:
+    """The flash-attn functions attnguard's twins compute for hub kernel ``name`` (an
+    ``"org/repo[@revision]"`` name), or None: attnguard does not know what it computes."""
+    repo = hub.repo_of(name)
+    if repo is None or hub.function_of(name) is not None:
+        return None
+    return HUB_FLASH_KERNELS.get(repo)
+
+
+# What attnguard does where flash attention comes from the kernel hub (``attnguard doctor`` prints
+# these rows; events carry the rule): (rule, when, then, event, reason codes)
+HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
+    (
+        "hub-kernel-tried",
+        "an org/repo request, a flash_attention_N request transformers serves from the hub "
+        "(flash-attn missing, the `kernels` package at a version it accepts), a model whose flash "
+        "request transformers routes to a hub kernel, a diffusers *_hub backend",
+        "change nothing: the library loads the hub kernel as it would without attnguard (its "
+        "cache, its network); a hub kernel that loads computes every call",
+        "-",
+        "-",
+    ),
+    (
+        "hub-on-sdpa",
+        "the hub kernel does not load (no `kernels`, a version the library refuses, offline "
+        "without a cached build, no build for this torch and device, its import failed), its "
+        "functions are flash-attn's (HUB_FLASH_KERNELS), attnguard's twins cover the library's "
+        "code path and the model passes nothing they do not compute",
+        "compute its calls with attnguard's SDPA twins of those flash-attn functions (sinks "
+        "included), the library's code path kept as it would run with the kernel",
+        "backend_fallback",
+        "hub_package_missing | hub_package_refused | hub_kernel_unavailable",
+    ),
+    (
+        "hub-aside",
+        "the hub kernel does not load, and attnguard does not know what it computes (a custom "
+        "repo, org/repo:function, block-sparse or quantized attention), does not recognise the "
+        "library's flash code path, or the model passes an argument the twins do not compute",
+        "change nothing: the library's own error stands, exactly as without attnguard",
+        "observed",
+        "hub_* | flash_path_unrecognised | flash_argument_uncomputed",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class HubVerdict:
+    """What attnguard does about a hub kernel that did not load: compute its calls on the twins
+    (``twins``, a ``backend_fallback`` event) or step aside (the library's own error stands, one
+    ``observed`` event). ``reason_code`` / ``reason`` are the event's."""
+
+    twins: bool
+    reason_code: str
+    reason: str
+
+    @property
+    def rule(self) -> str:
+        return "hub-on-sdpa" if self.twins else "hub-aside"
+
+
+def when_hub_kernel_fails(
+    name: str,
+    outcome: hub.HubKernel,
+    *,
+    path_problem: str = "",
+    uncomputed: tuple[str, ...] = (),
+    chosen_for: str = "",
+) -> HubVerdict:
+    """Pure: the verdict on hub kernel ``name`` that did not load (``outcome``). ``path_problem``:
+    why the library's flash code path cannot run on the twins ("" when it can);
+    ``uncomputed``: arguments the model's attention passes that the twins do not compute;
+    ``chosen_for``: the request the library routed to this kernel ("" when it was asked for)."""
+    how = f" (transformers' choice for a {chosen_for} request)" if chosen_for else ""
+    problem = f"hub kernel {name}{how} cannot load here: {outcome.reason}"
+    functions = hub_twin_of(name)
+    if functions is None:
+        also = f" (and the model's attention passes {', '.join(uncomputed)})" if uncomputed else ""
+        return HubVerdict(
+            False,
+            outcome.reason_code,
+            f"{problem}; attnguard does not know what this kernel computes{also}, so its error "
+            "stands",
+        )
+    if path_problem:
+        return HubVerdict(
+            False,
+            "flash_path_unrecognised",
+            f"{problem}; attnguard does not recognise how this transformers release wires its "
+            f"flash code path ({path_problem}), so its error stands",
+        )
+    if uncomputed:
+        return HubVerdict(
+            False,
+            "flash_argument_uncomputed",
+            f"{problem}; the model's attention passes {', '.join(uncomputed)}, which attnguard's "
+            "twins do not compute, so its error stands",
+        )
+    return HubVerdict(
+        True,
+        outcome.reason_code,
+        f"{problem}; attnguard: compute its calls with attnguard's SDPA twins of the "
+        f"{functions} functions (same semantics)",
+    )

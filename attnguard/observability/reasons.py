@@ -98,6 +98,34 @@ _TABLE: tuple[Reason, ...] = (
         "flash attention requested for a model class that does not support it",
         f"this model class has no flash-attention support: {_SDPA}",
     ),
+    # --- load time: a hub kernel that does not load (attnguard.facts.hub, kernels) ------------
+    Reason(
+        "hub_package_missing",
+        _FALLBACK,
+        "flash attention from the Hugging Face kernel hub (an org/repo request, transformers' own "
+        "fallback, a model routed to a hub kernel, a diffusers *_hub backend) needs the `kernels` "
+        "package, which is not installed",
+        "install the `kernels` package at a version your transformers / diffusers accepts, or "
+        "install flash-attn for this torch and GPU",
+    ),
+    Reason(
+        "hub_package_refused",
+        _FALLBACK,
+        "flash attention from the kernel hub, and the installed `kernels` package is outside the "
+        "versions the library that loads it accepts (the event names both)",
+        "install a `kernels` version the library accepts (the event names the range), or "
+        "install flash-attn for this torch and GPU",
+    ),
+    Reason(
+        "hub_kernel_unavailable",
+        _FALLBACK,
+        "flash attention from the kernel hub, and the hub kernel does not load here: offline "
+        "without a cached build, no build for this torch and device, or its import failed (the "
+        "event names kernels' own error)",
+        "fetch the hub kernel once with network into the Hugging Face cache (or point "
+        "LOCAL_KERNELS at a copy) for this torch and device, or install flash-attn for this "
+        "torch and GPU",
+    ),
     Reason(
         "flash_path_unrecognised",
         ("observed",),

@@ -53,7 +53,10 @@ def plan_backend_into(request: LoadRequest, facts: Facts, settings: Settings, dr
     """Step 1: a flash kernel that cannot run here -> the flash path on the SDPA twins, or the
     first fallback backend the model supports."""
     for target, want in targets(request.attn_implementation):
-        if not is_flash(want):
+        if not is_flash(want) or request.hub_kernel:
+            # no flash request, or one transformers serves from the kernel hub: the hub kernel
+            # is tried as it would be without attnguard (kernels.when_hub_kernel_fails decides
+            # where it cannot load)
             continue
         status = facts.backend(want)
         if not request.supports_flash:

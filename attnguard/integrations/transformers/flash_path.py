@@ -183,6 +183,10 @@ def _announce(implementation: str) -> None:
     from ...observability import events
 
     try:
+        from . import hub
+
+        if hub.on_twins(implementation):  # its loader said so when it failed
+            return
         status = facts.current(runtime.settings()).backend(implementation)
         if status.reason_code in _announced:
             return
@@ -212,6 +216,10 @@ def _kernel_unusable(implementation: Any) -> bool:
     if implementation is None:
         names: tuple[str, ...] = ("flash_attention_2", "flash_attention_3")
     elif isinstance(implementation, str):
+        from . import hub
+
+        if hub.on_twins(implementation.split("|", 1)[-1]):  # a hub kernel that did not load
+            return True
         names = (implementation.split("|", 1)[-1],)
     else:
         return False
@@ -275,7 +283,7 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
                 return original(*args, **kwargs)
             chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
             _announce(chosen)
-            _serving(chosen)
+            serving(chosen)
             kernels = _kernels_for(module)
         return tuple(kernels[role] for role in wired.returns)
 
@@ -313,9 +321,10 @@ def _refresh_serving() -> None:
         arguments.TWIN_ARGUMENTS[implementation] = computed
 
 
-def _serving(implementation: str) -> None:
-    """The twins serve ``implementation``'s flash path from now on: its registry calls are
-    checked for arguments the twins would not compute (:mod:`.arguments`)."""
+def serving(implementation: str) -> None:
+    """The twins serve ``implementation``'s flash path from now on (a flash_attention_N or a hub
+    kernel that did not load): its registry calls are checked for arguments the twins would not
+    compute (:mod:`.arguments`)."""
     from . import arguments
 
     arguments.TWIN_ARGUMENTS[implementation] = _computed()
@@ -372,7 +381,7 @@ def _patch_globals(module: ModuleType, wired: Wiring) -> None:
     if bound and not vars(module).get("_flash_supports_window_size"):
         ledger.patch(module, "_flash_supports_window_size", lambda _o: True)
     if bound:
-        _serving("flash_attention_2")
+        serving("flash_attention_2")
 
 
 # --- the probe's hand-in ----------------------------------------------------------------------------

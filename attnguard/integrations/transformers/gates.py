@@ -15,6 +15,7 @@ from ... import runtime
 from ...errors import AttnGuardError
 from ...failopen import report_internal_error
 from ...plan import LoadRequest, is_flash, plan_backend
+from . import hub
 from .apply import active_settings, on_twins, report
 from .requests import SITE_INIT, SITE_SET_ATTN, sub_configs, support_fields
 from .scope import (
@@ -72,7 +73,20 @@ def guarded_check_and_adjust(
     """Body of the ``_check_and_adjust_attn_implementation`` wrapper (transformers >= 4.54):
     called from every PreTrainedModel ``__init__`` and from ``set_attn_implementation``."""
     requested = args[0] if args else kwargs.get("attn_implementation")
-    if not is_flash(requested) or instance is None:
+    if instance is None:
+        return wrapped(*args, **kwargs)
+    with hub.gate(type(instance), requested):  # a hub kernel loaded inside is loaded for it
+        return _check_and_adjust(wrapped, instance, requested, args, kwargs)
+
+
+def _check_and_adjust(
+    wrapped: Callable[..., Any],
+    instance: Any,
+    requested: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if not is_flash(requested):
         return wrapped(*args, **kwargs)
     try:
         decision = _gate_decision(type(instance), requested, SITE_INIT)

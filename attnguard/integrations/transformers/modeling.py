@@ -1,8 +1,8 @@
 """transformers integration: model loading (load-time guard), the attention registry (per call) and
 the flash code path's kernels (the SDPA twins where flash-attn's kernel cannot run).
 
-Three parts, each with its own ledger, patched together when ``transformers.modeling_utils`` is
-imported: :mod:`.loading`, :mod:`.attention` and
+Four parts, each with its own ledger, patched together when ``transformers.modeling_utils`` is
+imported: :mod:`.loading`, :mod:`.attention`, :mod:`.hub` (hub kernels that cannot load) and
 :mod:`.flash_path`. The integration's fourth part, :mod:`.availability`,
 is patched earlier, as soon as ``transformers.utils.import_utils`` exists (see the package).
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from . import attention, flash_path, loading
+from . import attention, flash_path, hub, loading
 
 
 def patch(modeling_utils: ModuleType) -> None:
     loading.patch(modeling_utils)
     attention.patch(modeling_utils)
+    hub.patch()
     try:
         flash_utils = importlib.import_module(flash_path.MODULE)
     except ImportError:
@@ -26,6 +27,7 @@ def patch(modeling_utils: ModuleType) -> None:
 
 
 def unpatch() -> None:
+    hub.unpatch()
     flash_path.unpatch()
     attention.unpatch()
     loading.unpatch()

@@ -267,7 +267,9 @@ def run(
         # would otherwise hang in its child's first parallel op, as after any parallel op)
         torch.set_num_threads(1)
         try:
-            with swapped(recorder.kernels), torch.no_grad():
+            # on the CPU whatever device block the caller's code is in (a model built under
+            # ``torch.device("meta")``, as transformers' own loading does)
+            with torch.device("cpu"), swapped(recorder.kernels), torch.no_grad():
                 return _check(torch, entry, recorder)
         finally:
             torch.set_num_threads(threads)

@@ -142,12 +142,23 @@ def support_fields(cls: type, attn: Any) -> dict[str, Any]:
         "supports_sdpa": _supports(cls, "_supports_sdpa"),
         "supports_flex": _supports(cls, "_supports_flex_attn"),
     }
-    if flash and _flash_kernel_unusable(attn):
+    hub_kernel = _hub_route(cls, attn) if flash else ""
+    if hub_kernel:  # transformers loads a hub kernel for it: tried as without attnguard
+        fields["hub_kernel"] = hub_kernel
+    elif flash and _flash_kernel_unusable(attn):
         why = flash_path.unrecognised()
         fields["flash_path_unrecognised"] = why
         fields["flash_path_on_twins"] = not why and flash_path.covers(cls)
         fields.update(_routing_fields(cls, attn) if not why else {})
     return fields
+
+
+def _hub_route(cls: type, attn: Any) -> str:
+    """The hub kernel transformers loads for the flash request in ``attn`` ("" = none)."""
+    from . import hub
+
+    values = attn.values() if isinstance(attn, Mapping) else [attn]
+    return next((r for v in values if is_flash(v) and (r := hub.route(cls, v))), "")
 
 
 def _routing_fields(cls: type, attn: Any) -> dict[str, Any]:

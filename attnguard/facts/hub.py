@@ -1,0 +1,193 @@
+"""The Hugging Face kernel hub as a kernel source: the ``kernels`` package (installed? which
+version? does the library that loads hub kernels accept it?), offline mode, the hub kernels this
+machine has without network (the cache and ``LOCAL_KERNELS``), and what became of each hub
+kernel a library tried to load in this process.
+
+Whether a hub kernel loads is never guessed here and never asked of the network by attnguard:
+the library that loads it (transformers, diffusers) tries, exactly as it would without attnguard,
+and its integration records the outcome (:func:`record`). The decision that follows a failure —
+compute it on the twins, or step aside — is :func:`attnguard.kernels.when_hub_kernel_fails`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+# reason codes of a hub kernel that cannot load (observability.reasons says what each means)
+HUB_PACKAGE_MISSING = "hub_package_missing"
+HUB_PACKAGE_REFUSED = "hub_package_refused"
+HUB_KERNEL_UNAVAILABLE = "hub_kernel_unavailable"
+
+# transformers' own pattern of a hub kernel name: "org/repo", "org/repo@revision",
+# "org/repo:function"
+_HUB_NAME = re.compile(r"^([^/:@|]+/[^/:@|]+)(?:@[^/:]+)?(?::([^/:]+))?$")
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def repo_of(name: object) -> str | None:
+    """The hub repository a kernel name names (``"org/repo"``), or None when it is no hub
+    kernel name (``"flash_attention_2"``, ``"sdpa"``, a dict)."""
+    if not isinstance(name, str):
+        return None
+    found = _HUB_NAME.match(name.strip().split("|", 1)[-1])
+    return found.group(1) if found else None
+
+
+def function_of(name: str) -> str | None:
+    """The single function a name picks from its repo (``"org/repo:function"``), else None."""
+    found = _HUB_NAME.match(name.strip().split("|", 1)[-1])
+    return found.group(2) if found else None
+
+
+def offline() -> bool:
+    """huggingface_hub's offline mode (``HF_HUB_OFFLINE``, or the older
+    ``TRANSFORMERS_OFFLINE``), read as huggingface_hub reads it."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in _TRUE
+
+
+@dataclass(frozen=True)
+class HubPackage:
+    """The ``kernels`` package as a library that loads hub kernels sees it."""
+
+    version: str | None  # None: not installed
+    accepted: str | None = None  # the versions that library accepts (its own bounds); None: any
+    library: str = "transformers"
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(reason code, why) when the library will not load hub kernels with this package."""
+        if self.version is None:
+            return HUB_PACKAGE_MISSING, "the `kernels` package is not installed"
+        if self.accepted:
+            from packaging.specifiers import InvalidSpecifier, SpecifierSet
+            from packaging.version import InvalidVersion, Version
+
+            try:
+                ok = Version(self.version) in SpecifierSet(self.accepted)
+            except (InvalidSpecifier, InvalidVersion):
+                return None
+            if not ok:
+                return (
+                    HUB_PACKAGE_REFUSED,
+                    f"`kernels` {self.version} is installed; {self.library} accepts only "
+                    f"kernels{self.accepted}",
+                )
+        return None
+
+
+def kernels_version() -> str | None:
+    """The installed ``kernels`` package's version (metadata only, nothing imported)."""
+    from .backends import dist_version
+
+    return dist_version(("kernels",))
+
+
+@dataclass(frozen=True)
+class HubKernel:
+    """What became of a hub kernel a library tried to load in this process."""
+
+    repo: str
+    loaded: bool
+    reason_code: str = "ok"  # HUB_* when it did not load
+    reason: str = ""  # why not (the library's or kernels' own error, first line)
+    library: str = "transformers"
+
+
+_lock = threading.Lock()
+_outcomes: dict[str, HubKernel] = {}
+
+
+def record(
+    repo: str, error: BaseException | None, package: HubPackage, library: str = "transformers"
+) -> HubKernel:
+    """Remember the outcome of a library's attempt to load hub kernel ``repo``. A failure is
+    classified by what kept it from loading: the package missing or refused, else the kernel
+    itself (offline without a cached build, no build for this torch and device, its import)."""
+    if error is None:
+        outcome = HubKernel(repo, True, library=library)
+    else:
+        from .backends import first_line
+
+        code, why = package.refusal() or (HUB_KERNEL_UNAVAILABLE, first_line(error))
+        outcome = HubKernel(repo, False, code, why, library)
+    with _lock:
+        _outcomes[repo] = outcome
+    return outcome
+
+
+def outcome(repo: str) -> HubKernel | None:
+    """What became of ``repo`` in this process (None: nothing tried to load it yet)."""
+    return _outcomes.get(repo)
+
+
+def outcomes() -> tuple[HubKernel, ...]:
+    with _lock:
+        return tuple(_outcomes.values())
+
+
+def reset() -> None:
+    """Forget every outcome (tests; deactivation)."""
+    with _lock:
+        _outcomes.clear()
+
+
+@dataclass(frozen=True)
+class CachedKernel:
+    """A hub kernel this machine has without network: its repo and build variants."""
+
+    repo: str
+    variants: tuple[str, ...]
+    source: str  # "cache" (the Hugging Face cache) or "LOCAL_KERNELS"
+
+
+def _hub_cache() -> Path:
+    """huggingface_hub's cache directory, found as huggingface_hub finds it."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME")
+    if home:
+        return Path(home).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _variants(root: Path) -> tuple[str, ...]:
+    build = root / "build"
+    try:
+        return tuple(sorted(p.name for p in build.iterdir() if p.is_dir()))
+    except OSError:
+        return ()
+
+
+def cached() -> tuple[CachedKernel, ...]:
+    """The hub kernels this machine can load without network (``attnguard doctor``): each
+    repository in the Hugging Face cache that holds kernel builds, and each ``LOCAL_KERNELS``
+    entry. Reads directory names only."""
+    found: list[CachedKernel] = []
+    overrides = os.environ.get("LOCAL_KERNELS") or ""
+    for entry in overrides.split(":"):
+        repo, _, path = entry.partition("=")
+        if repo and path:
+            found.append(CachedKernel(repo, _variants(Path(path)), "LOCAL_KERNELS"))
+    try:
+        repos = sorted((_hub_cache()).glob("models--*--*"))
+    except OSError:
+        repos = []
+    for folder in repos:
+        variants: set[str] = set()
+        try:
+            snapshots = list((folder / "snapshots").iterdir())
+        except OSError:
+            continue
+        for snapshot in snapshots:
+            variants.update(_variants(snapshot))
+        if variants:
+            org, _, name = folder.name.removeprefix("models--").partition("--")
+            found.append(CachedKernel(f"{org}/{name}", tuple(sorted(variants)), "cache"))
+    return tuple(found)

@@ -1,0 +1,306 @@
+"""Flash attention that transformers loads from the Hugging Face kernel hub.
+
+transformers 5.x loads a hub kernel for attention in three ways: an ``"org/repo"`` request
+(``attn_implementation="kernels-community/flash-attn2"``, ``set_attn_implementation`` alike), its
+own fallback when a ``flash_attention_2/3/4`` request meets no flash-attn and the ``kernels``
+package is there (``FLASH_ATTN_KERNEL_FALLBACK``), and the models that list the flash kernels they
+work with (``_compatible_flash_implementations``: GPT-OSS goes to
+``kernels-community/vllm-flash-attn3``). Every way ends in one loader,
+``transformers.integrations.hub_kernels.load_and_register_attn_kernel`` (4.57:
+``load_and_register_kernel``), which this module wraps:
+
+* the loader runs first, exactly as it would without attnguard (its network calls, its cache);
+  a hub kernel that loads computes every call, untouched, and is recorded (``attnguard doctor``
+  and the activated event say which hub kernel serves);
+* one that cannot load (no ``kernels``, a version transformers refuses, offline without a cached
+  build, no build for this torch and device, its import failing) is recorded too
+  (:mod:`attnguard.facts.hub`), and :func:`attnguard.kernels.when_hub_kernel_fails` decides: the
+  twins compute it where its functions are flash-attn's (the loader registers the request's
+  attention and mask functions as it would have, and hands transformers' flash code path the
+  twins in place of the kernel's functions), or attnguard steps aside (its error stands). One
+  event per hub kernel says which.
+
+The plan (:mod:`attnguard.plan.backend`) leaves a request that transformers sends to the hub to
+transformers (``LoadRequest.hub_kernel``, from :func:`route`), so that the hub kernel is tried.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+from ... import callguard, kernels, runtime
+from ...errors import AttnGuardError
+from ...facts import hub as hub_facts
+from ...failopen import report_internal_error
+from ...observability import events
+from ..ledger import Ledger
+
+MODULE = "transformers.integrations.hub_kernels"
+SITE = "transformers.hub_kernel"
+# transformers' loader of attention hub kernels, by release (the first one the module has)
+_LOADERS = ("load_and_register_attn_kernel", "load_and_register_kernel")
+# modules that may bind the loader at their import (4.57's modeling_utils)
+_BINDERS = ("transformers.modeling_utils", "transformers.modeling_flash_attention_utils")
+
+ledger = Ledger("transformers_hub")
+_lock = threading.Lock()
+_on_twins: dict[str, str] = {}  # hub kernel name (as requested) -> the reason code it failed with
+
+# the model whose backend gate is running (its class, and the request it made): the loader is
+# called from inside that gate and needs both to judge the model's arguments and say so
+_GATE: contextvars.ContextVar[tuple[type, Any] | None] = contextvars.ContextVar(
+    "attnguard_hub_gate", default=None
+)
+
+
+@contextmanager
+def gate(cls: type, requested: Any) -> Iterator[None]:
+    """While open, a hub kernel loaded on this thread is loaded for ``cls``'s ``requested``."""
+    token = _GATE.set((cls, requested))
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
+# --- what transformers would do -----------------------------------------------------------------
+
+
+def package() -> hub_facts.HubPackage:
+    """The ``kernels`` package as this transformers release sees it: its version and the
+    versions the release accepts (its own ``KERNELS_MIN_VERSION`` / ``KERNELS_MAX_VERSION``)."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    low = getattr(utils, "KERNELS_MIN_VERSION", None)
+    high = getattr(utils, "KERNELS_MAX_VERSION", None)
+    accepted = ",".join(f"{op}{v}" for op, v in ((">=", low), ("<", high)) if isinstance(v, str))
+    return hub_facts.HubPackage(hub_facts.kernels_version(), accepted or None, "transformers")
+
+
+def _transformers_loads_hub() -> bool:
+    """transformers' own answer: is the ``kernels`` package there, at a version it accepts?"""
+    utils = sys.modules.get("transformers.modeling_utils")
+    check = getattr(utils, "is_kernels_available", None)
+    try:
+        return bool(check()) if callable(check) else False
+    except Exception:
+        return False
+
+
+def _flash_available(implementation: str) -> bool:
+    """transformers' own answer: is the flash-attn package behind ``implementation`` there?
+    (The check its backend gate asks: the compatibility matrix's, else the release's
+    ``is_flash_attn_N_available``.)"""
+    version = implementation.split("|", 1)[-1].rsplit("_", 1)[-1]
+    flash_utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+    matrix = getattr(flash_utils, "FLASH_ATTENTION_COMPATIBILITY_MATRIX", None)
+    check = None
+    if isinstance(matrix, dict) and version.isdigit():
+        check = (matrix.get(int(version)) or {}).get("general_availability_check")
+    if not callable(check):
+        utils = sys.modules.get("transformers.utils.import_utils")
+        check = getattr(utils, f"is_flash_attn_{version}_available", None)
+    try:
+        return bool(check()) if callable(check) else True
+    except Exception:
+        return True
+
+
+def fallback_repo(implementation: str) -> str:
+    """The hub kernel transformers loads for ``implementation`` (``flash_attention_2``) when
+    flash-attn is missing ("" where this release has no such fallback)."""
+    utils = sys.modules.get("transformers.modeling_utils")
+    table = getattr(utils, "FLASH_ATTN_KERNEL_FALLBACK", None)
+    if not isinstance(table, dict):
+        flash_utils = sys.modules.get("transformers.modeling_flash_attention_utils")
+        table = getattr(flash_utils, "FLASH_ATTN_KERNEL_FALLBACK", None)
+    found = table.get(implementation.split("|", 1)[-1]) if isinstance(table, dict) else None
+    return found if isinstance(found, str) else ""
+
+
+def route(cls: type, requested: Any) -> str:
+    """The hub kernel transformers will load for ``cls``'s ``requested`` implementation, or ""
+    when it loads none: an ``"org/repo"`` request itself; the hub kernel a model's own list of
+    compatible flash kernels routes a flash request to; transformers' fallback for a
+    ``flash_attention_N`` request where flash-attn N is missing and ``kernels`` is accepted."""
+    from . import routing
+
+    if not isinstance(requested, str):
+        return ""
+    if hub_facts.repo_of(requested):
+        return requested
+    if "flash" not in requested:
+        return ""
+    routed = routing.routed_to(cls, requested)
+    if routed is not None:
+        return routed if hub_facts.repo_of(routed) else ""
+    repo = fallback_repo(requested)
+    if (
+        repo
+        and getattr(cls, "_supports_flash_attn", True)
+        and not _flash_available(requested)
+        and _transformers_loads_hub()
+    ):
+        return repo
+    return ""
+
+
+def kernels_on_twins() -> dict[str, str]:
+    """Hub kernels whose calls the twins compute in this process -> why they did not load."""
+    with _lock:
+        return dict(_on_twins)
+
+
+def on_twins(implementation: Any) -> bool:
+    """The twins compute ``implementation`` (a hub kernel name that did not load here)."""
+    return isinstance(implementation, str) and implementation in _on_twins
+
+
+# --- the loader ---------------------------------------------------------------------------------
+
+
+def _loader(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load(attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        repo = hub_facts.repo_of(attn_implementation)
+        if repo is None or runtime.IN_FORCE.settings is None:
+            return original(attn_implementation, *args, **kwargs)
+        name = str(attn_implementation).split("|", 1)[-1]
+        if name in _on_twins:  # failed before: not tried again, the twins serve it
+            return _twins_module(attn_implementation, args, kwargs)
+        try:
+            kernel = original(attn_implementation, *args, **kwargs)
+        except Exception as exc:
+            try:
+                served = _failed(attn_implementation, name, repo, exc, args, kwargs)
+            except AttnGuardError:
+                raise
+            except Exception as ours:
+                report_internal_error(SITE, ours)
+                served = None
+            if served is None:
+                raise
+            return served
+        try:
+            hub_facts.record(repo, None, package())
+        except Exception as ours:
+            report_internal_error(SITE, ours)
+        return kernel
+
+    load.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return load
+
+
+def _failed(
+    key: Any, name: str, repo: str, exc: BaseException, args: tuple[Any, ...], kw: dict[str, Any]
+) -> Any:
+    """The loader raised: record why, decide, and return the twins' stand-in module or None
+    (the error stands)."""
+    from . import flash_path
+
+    outcome = hub_facts.record(repo, exc, package())
+    cls, requested = _GATE.get() or (None, None)
+    chosen_for = requested if isinstance(requested, str) and requested != name else ""
+    uncomputed: tuple[str, ...] = ()
+    path_problem = flash_path.unrecognised()
+    if cls is not None and not path_problem:
+        from . import arguments, routing
+
+        uncomputed = tuple(routing.uncomputed_keywords(cls, arguments.computed_arguments()))
+    verdict = kernels.when_hub_kernel_fails(
+        name, outcome, path_problem=path_problem, uncomputed=uncomputed, chosen_for=chosen_for
+    )
+    fields: dict[str, Any] = {
+        "requested": chosen_for or name,
+        "hub_kernel": name,
+        "rule": verdict.rule,
+    }
+    if cls is not None:
+        fields["model"] = cls.__name__
+    if chosen_for:
+        fields["transformers_chooses"] = name
+    if not verdict.twins:
+        if cls is None:  # a call-time lookup (a registry call): what the load said stands
+            return None
+        events.emit(
+            "observed", site=SITE, reason_code=verdict.reason_code, reason=verdict.reason, **fields
+        )
+        return None
+    settings = runtime.IN_FORCE.settings
+    if settings is None or not callguard.decide(
+        settings,
+        "fallback",
+        "backend_fallback",
+        SITE,
+        verdict.reason_code,
+        verdict.reason,
+        selected=kernels.Kernel.SDPA_TWIN.value,
+        **fields,
+    ):
+        return None
+    with _lock:
+        _on_twins[name] = verdict.reason_code
+    return _twins_module(key, args, kw)
+
+
+def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+    """Do what the loader does for a flash kernel that loaded — register ``key``'s attention
+    function (transformers' flash attention, or the wrapper it was given) and flash's mask — and
+    return a stand-in for the kernel module holding the twins of its functions."""
+    from . import flash_path
+
+    utils = sys.modules["transformers.modeling_utils"]
+    registry = utils.ALL_ATTENTION_FUNCTIONS
+    wrapper = args[0] if args else kw.get("attention_wrapper")
+    if wrapper is None:
+        flash = registry["flash_attention_2"]
+        wrapper = getattr(flash, "__attnguard_original__", flash)
+    registry.register(key, wrapper)
+    masks = getattr(
+        sys.modules.get("transformers.masking_utils"), "ALL_MASK_ATTENTION_FUNCTIONS", None
+    )
+    if masks is not None:
+        masks.register(key, masks["flash_attention_2"])
+    name = str(key).split("|", 1)[-1]
+    flash_path.serving(name)
+    twins = flash_path.kernels_by_role()
+    return SimpleNamespace(
+        __name__=f"attnguard twins of {name}",
+        flash_attn_func=twins.get("flash_attn_func"),
+        flash_attn_varlen_func=twins.get("flash_attn_varlen_func"),
+        flash_attn_with_kvcache=twins.get("flash_attn_with_kvcache"),
+    )
+
+
+# --- patch / unpatch ----------------------------------------------------------------------------
+
+
+def patch() -> None:
+    """Wrap transformers' loader of attention hub kernels where this release has one, and the
+    names other transformers modules bound it under at their import."""
+    module = sys.modules.get(MODULE)
+    if module is None:
+        return
+    for attr in _LOADERS:
+        original = vars(module).get(attr)
+        if not callable(original):
+            continue
+        wrapper = ledger.patch(module, attr, _loader)
+        for binder in _BINDERS:
+            owner = sys.modules.get(binder)
+            if owner is not None and vars(owner).get(attr) is original:
+                ledger.patch(owner, attr, lambda _o, _w=wrapper: _w)
+        return
+
+
+def unpatch() -> None:
+    ledger.unpatch_all()
+    with _lock:
+        _on_twins.clear()
+    hub_facts.reset()

@@ -1,0 +1,139 @@
+"""A STAND-IN hub kernel (attnguard tests only): a kernel repository in the `kernels` package's
+layout, written where a test wants it and served without network through ``LOCAL_KERNELS``.
+
+``write_repo(path, ...)`` writes ``path/build/torch-<backend>/`` (a "noarch" build variant:
+``torch-cpu`` for CPU tests, ``torch-cuda`` for the GPU) holding ``metadata.json`` and a Python
+package with flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``,
+``flash_attn_with_kvcache``). They compute flash-attn's semantics in explicit float32 math
+(bottom-right causal alignment, sliding windows, softcap, grouped heads, packed sequences,
+attention sinks when the repo declares ``s_aux``) and never import attnguard. Each call appends
+one line (the function's name) to the file named by ``$HUB_STANDIN_CALLS``, so a test counts
+the calls the program made into the hub kernel.
+
+``LOCAL_KERNELS="kernels-community/flash-attn2=<path>"`` makes ``kernels.get_kernel`` load it
+before looking at the hub or its cache (transformers then says "using
+`kernels-community/flash-attn2` from the `kernels` library").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_KERNEL_SOURCE = '''"""STAND-IN hub kernel written by attnguard's tests (tests/standins/hub_kernel.py)."""
+import math
+import os
+
+import torch
+
+IS_ATTNGUARD_STANDIN = True
+
+
+def _count(name):
+    path = os.environ.get("HUB_STANDIN_CALLS")
+    if path:
+        with open(path, "a") as f:
+            f.write(name + "\\n")
+
+
+def _attend(q, k, v, scale, causal, window, softcap, sink):
+    # q (Sq, H, D), k/v (Sk, Hk, D) -> (Sq, H, D); flash-attn's masks, bottom-right aligned
+    sq, h, d = q.shape
+    sk, hk = k.shape[0], k.shape[1]
+    if hk != h:
+        k = k.repeat_interleave(h // hk, dim=1)
+        v = v.repeat_interleave(h // hk, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        right = 0
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    s = s.masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        logits = torch.cat([s, sink.float().view(h, 1, 1).expand(h, sq, 1)], dim=-1)
+        p = torch.softmax(logits, dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)
+    out = torch.einsum("hqk,khd->qhd", p, v.float())
+    return out.to(q.dtype)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False__SINK_PARAM__):
+    _count("flash_attn_func")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    outs = [_attend(q[b], k[b], v[b], scale, causal, tuple(window_size), softcap,
+                    __SINK_ARG__) for b in range(q.shape[0])]
+    return torch.stack(outs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, deterministic=False,
+                           return_attn_probs=False, block_table=None__SINK_PARAM__):
+    _count("flash_attn_varlen_func")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for n in range(len(cq) - 1):
+        a, b, c, e = cq[n], cq[n + 1], ck[n], ck[n + 1]
+        if b > a:
+            out[a:b] = _attend(q[a:b], k[c:e], v[c:e], scale, causal, tuple(window_size),
+                               softcap, __SINK_ARG__)
+    return out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False__SINK_PARAM__):
+    _count("flash_attn_with_kvcache")
+    raise NotImplementedError("hub kernel stand-in: flash_attn_with_kvcache is not implemented")
+'''
+
+
+def write_repo(
+    path: Path,
+    *,
+    name: str = "flash-attn2",
+    backend: str = "cpu",
+    version: int = 3,
+    sinks: bool = False,
+    broken: bool = False,
+) -> Path:
+    """Write a stand-in hub kernel repository at ``path`` and return ``path``.
+
+    ``name``: the repo's name (its package is ``name`` with ``-`` as ``_``); ``backend``: the
+    build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``); ``sinks``: the functions
+    take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises at import (a build whose
+    import fails)."""
+    package = name.replace("-", "_")
+    variant = path / "build" / f"torch-{backend}"
+    (variant / package).mkdir(parents=True, exist_ok=True)
+    metadata = {
+        "name": name,
+        "id": f"_{package}_attnguard_standin",
+        "version": version,
+        "license": "Apache-2.0",
+        "python-depends": [],
+        "backend": {"type": backend},
+    }
+    (variant / "metadata.json").write_text(json.dumps(metadata))
+    source = _KERNEL_SOURCE.replace("__SINK_PARAM__", ", s_aux=None" if sinks else "")
+    source = source.replace("__SINK_ARG__", "s_aux" if sinks else "None")
+    if broken:
+        source = 'raise ImportError("hub kernel stand-in: this build does not import")\n' + source
+    (variant / package / "__init__.py").write_text(source)
+    return path
