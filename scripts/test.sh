@@ -106,6 +106,44 @@ fi
 # the tests fail (not skip) where diffusers does not import after this
 [ -z "${TEST_DIFFUSERS_ABSENT:-}" ] && export TEST_DIFFUSERS_EXPECTED=1
 
+# kernels (the Hugging Face kernel hub's loader): the newest release this transformers accepts
+# (its own bounds, scripts/kernels_requirement.py); where no release lies in that window, the
+# newest there is (the version skew a user of that transformers meets). What pip would add for it
+# beside this environment goes into its directory, on the path of the hub-kernel tests' programs
+# only ($TEST_KERNELS_DIR). Where pip cannot install it beside this environment (kernels needs
+# huggingface-hub >= 1.10, transformers 4.x requires it below 1.0) TEST_KERNELS_ABSENT says why.
+unset TEST_KERNELS_DIR TEST_KERNELS_ABSENT
+hubver=$("$PY" -c 'import importlib.metadata as m; print(m.version("huggingface-hub"))')
+if want=$("$PY" scripts/kernels_requirement.py 2>/dev/null); then
+  plan="$deps/kernels-plan.json"
+  mkdir -p "$deps"
+  resolved=""
+  for req in "$want" kernels; do # in the window, else the newest (the skew case)
+    if "$PY" -m pip install --dry-run -q --report "$plan" "$req" "huggingface-hub==$hubver" \
+      >"$deps/kernels-plan.log" 2>&1; then
+      resolved=$("$PY" -c 'import json, sys
+print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
+               for p in json.load(open(sys.argv[1]))["install"]))' "$plan")
+      break
+    fi
+  done
+  kver=$(printf '%s\n' $resolved | sed -n 's/^kernels==//p')
+  if [ -n "$kver" ]; then
+    kernels="$deps/kernels-$kver-$py"
+    if ! PYTHONPATH="$kernels" "$PY" scripts/requirements_met.py "kernels==$kver" >/dev/null; then
+      rm -rf "$kernels"
+      # shellcheck disable=SC2086 # one word per requirement
+      "$PY" -m pip install -q --no-deps --target "$kernels" $resolved
+    fi
+    export TEST_KERNELS_DIR="$kernels"
+  else
+    export TEST_KERNELS_ABSENT="pip cannot install kernels beside huggingface-hub $hubver"
+  fi
+  rm -f "$plan" "$deps/kernels-plan.log"
+else
+  export TEST_KERNELS_ABSENT="this transformers release loads no hub kernels"
+fi
+
 set +e
 PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"
 rc=$?

@@ -43,7 +43,7 @@ from ...observability import events
 from ..ledger import Ledger
 
 MODULE = "transformers.integrations.hub_kernels"
-SITE = "transformers.hub_kernel"
+SITE = "transformers.hub_kernel"  # events say f"{SITE}:{name}": one per hub kernel
 # transformers' loader of attention hub kernels, by release (the first one the module has)
 _LOADERS = ("load_and_register_attn_kernel", "load_and_register_kernel")
 # modules that may bind the loader at their import (4.57's modeling_utils)
@@ -216,6 +216,7 @@ def _failed(
     verdict = kernels.when_hub_kernel_fails(
         name, outcome, path_problem=path_problem, uncomputed=uncomputed, chosen_for=chosen_for
     )
+    site = f"{SITE}:{name}"
     fields: dict[str, Any] = {
         "requested": chosen_for or name,
         "hub_kernel": name,
@@ -229,7 +230,7 @@ def _failed(
         if cls is None:  # a call-time lookup (a registry call): what the load said stands
             return None
         events.emit(
-            "observed", site=SITE, reason_code=verdict.reason_code, reason=verdict.reason, **fields
+            "observed", site=site, reason_code=verdict.reason_code, reason=verdict.reason, **fields
         )
         return None
     settings = runtime.IN_FORCE.settings
@@ -237,7 +238,7 @@ def _failed(
         settings,
         "fallback",
         "backend_fallback",
-        SITE,
+        site,
         verdict.reason_code,
         verdict.reason,
         selected=kernels.Kernel.SDPA_TWIN.value,

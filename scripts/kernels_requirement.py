@@ -1,0 +1,32 @@
+"""Print the ``kernels`` requirement the installed transformers accepts, read from the release
+itself (``KERNELS_MIN_VERSION`` / ``KERNELS_MAX_VERSION`` in ``transformers.utils.import_utils``):
+``kernels>=0.16.0,<0.17.0``; plain ``kernels`` where the release names no bounds. Exit 1 where
+the release loads no hub kernels at all (no ``is_kernels_available``). ``scripts/test.sh`` installs
+the newest release in that window for the hub-kernel tests.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    try:
+        import transformers.utils.import_utils as utils
+    except Exception as exc:
+        print(f"transformers does not import: {exc}", file=sys.stderr)
+        return 1
+    if not hasattr(utils, "is_kernels_available"):
+        print("this transformers release loads no hub kernels", file=sys.stderr)
+        return 1
+    bounds = [
+        f"{op}{value}"
+        for op, name in ((">=", "KERNELS_MIN_VERSION"), ("<", "KERNELS_MAX_VERSION"))
+        if isinstance(value := getattr(utils, name, None), str)
+    ]
+    print("kernels" + ",".join(bounds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Flash attention from the Hugging Face kernel hub, as a user's program meets it, for
+tests/test_hub_kernels.py (and tests/gpu/test_hub_gpu.py with ``--device cuda``).
+
+    python hub_worker.py make ROOT                          # the checkpoints
+    python hub_worker.py run {plain|guarded} ROOT CALLS [--device cpu] [--scenarios a,b]
+
+``make`` saves a seeded float32 Llama and, where the release has it, a GPT-OSS with sinks that
+matter. ``run`` is one program: ``guarded`` imports attnguard first, ``plain`` never does. The
+environment decides what the kernel hub offers (the ``kernels`` package on the path or not,
+``HF_HUB_OFFLINE``, an empty ``HF_HOME``, ``LOCAL_KERNELS`` stand-ins written by
+tests/standins/hub_kernel.py; ``HUB_STANDIN_CALLS`` = CALLS counts their calls). Each scenario
+loads a model the way users' code does and records: the error (type and first line) or the
+attention implementation the model ended with, its logits' largest difference from the eager
+model on a plain, a left-padded and a packed batch (the packed row against each sequence run
+alone), the calls made into the stand-in hub kernels, and (guarded) the events attnguard emitted.
+One JSON object on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FLASH = "flash_attention_2"
+HUB = "kernels-community/flash-attn2"
+LENGTHS = (5, 7, 4)
+
+
+def _llama_config() -> Any:
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
+
+
+def _gpt_oss_config() -> Any:
+    import transformers
+
+    return transformers.GptOssConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        pad_token_id=0,
+    )
+
+
+def make(root: Path) -> None:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(_llama_config()).save_pretrained(root / "llama")
+    if hasattr(transformers, "GptOssForCausalLM"):
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(_gpt_oss_config())
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
+        model.save_pretrained(root / "gpt_oss")
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+
+
+def _batches(torch: Any, device: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    packed = torch.randint(3, 128, (1, sum(LENGTHS)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    return {
+        k: v.to(device)
+        for k, v in dict(ids=ids, mask=mask, packed=packed, positions=positions).items()
+    }
+
+
+def _errors(torch: Any, model: Any, eager: Any, b: dict[str, Any]) -> dict[str, float]:
+    """Largest logit difference from eager at real tokens: plain, padded, packed."""
+    with torch.no_grad():
+        plain = (model(input_ids=b["ids"]).logits - eager(input_ids=b["ids"]).logits).abs().max()
+        real = b["mask"].bool()
+        got = model(input_ids=b["ids"], attention_mask=b["mask"]).logits[real]
+        want = eager(input_ids=b["ids"], attention_mask=b["mask"]).logits[real]
+        padded = (got - want).abs().max()
+        row = model(input_ids=b["packed"], position_ids=b["positions"], use_cache=False).logits[0]
+        alone, start = [], 0
+        for n in LENGTHS:
+            alone.append(eager(input_ids=b["packed"][:, start : start + n]).logits[0])
+            start += n
+        packed = (row - torch.cat(alone)).abs().max()
+    return {"plain": float(plain), "padded": float(padded), "packed": float(packed)}
+
+
+def _calls(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -> dict[str, Any]:
+    captured: list[dict[str, Any]] = []
+    if mode == "guarded":
+        import attnguard
+        from attnguard.observability import events
+
+        attnguard.activate(log="none")
+        stack = events.capture()
+        captured = stack.__enter__()
+    import torch
+    import transformers
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    batches = _batches(torch, device)
+    kw = dict(dtype=dtype, device_map=device) if device.startswith("cuda") else {}
+    out: dict[str, Any] = {"transformers": transformers.__version__, "scenarios": {}}
+    try:
+        import kernels
+
+        out["kernels"] = kernels.__version__
+    except Exception as exc:
+        out["kernels"] = _first_line(exc)
+
+    def load(cls: Any, path: Path, attn: str, switch: bool = False) -> Any:
+        if switch:
+            model = cls.from_pretrained(path, attn_implementation="eager", **kw)
+            model.set_attn_implementation(attn)
+            return model
+        return cls.from_pretrained(path, attn_implementation=attn, **kw)
+
+    plans = {
+        "fallback": (transformers.LlamaForCausalLM, "llama", FLASH, False),
+        "explicit": (transformers.LlamaForCausalLM, "llama", HUB, False),
+        "switch": (transformers.LlamaForCausalLM, "llama", HUB, True),
+        "unknown": (transformers.LlamaForCausalLM, "llama", "acme/fancy-attention", False),
+        "function": (transformers.LlamaForCausalLM, "llama", f"{HUB}:flash_attn_func", False),
+        "gpt_oss": (getattr(transformers, "GptOssForCausalLM", None), "gpt_oss", FLASH, False),
+    }
+    for name in scenarios:
+        cls, ckpt, attn, switch = plans[name]
+        if cls is None or not (root / ckpt).exists():
+            out["scenarios"][name] = {"not_applicable": "this release has no such model"}
+            continue
+        before = len(_calls(calls))
+        seen = len(captured)
+        result: dict[str, Any] = {}
+        try:
+            model = load(cls, root / ckpt, attn, switch)
+            result["attn"] = model.config._attn_implementation
+            eager = cls.from_pretrained(root / ckpt, attn_implementation="eager", **kw)
+            result["errors"] = _errors(torch, model, eager, batches)
+        except Exception as exc:
+            result["error"] = _first_line(exc)
+        result["calls"] = _calls(calls)[before:]
+        result["events"] = [
+            {k: e.get(k) for k in ("event", "reason_code", "rule", "reason", "hub_kernel")}
+            for e in captured[seen:]
+            if e["event"] != "activated"
+        ]
+        out["scenarios"][name] = result
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=("make", "run"))
+    parser.add_argument("args", nargs="+")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--scenarios", default="fallback,explicit,switch,unknown,function,gpt_oss")
+    args = parser.parse_args()
+    if args.what == "make":
+        make(Path(args.args[0]))
+        return
+    mode, root, calls = args.args
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["HUB_STANDIN_CALLS"] = calls  # the stand-in hub kernels count their calls there
+    result = run(mode, Path(root), Path(calls), args.device, args.scenarios.split(","))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
