@@ -13,7 +13,7 @@ from . import facts as facts_mod
 from . import runtime
 from .config import Settings, load
 from .integrations.transformers import flash_path as transformers_kernels
-from .kernels import QUESTIONS
+from .kernels import HUB_RULES, QUESTIONS
 from .observability.eventfiles import printable
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
@@ -86,7 +86,18 @@ def collect() -> dict[str, Any]:
         "kernel_cache": _kernel_cache(),
         "kernel_decisions": _kernel_decisions(),
         "diffusers": _diffusers_report().describe(),
+        "kernel_hub": _hub().report(),
+        "hub_rules": [
+            dict(zip(("rule", "when", "then", "event", "reason_code"), r, strict=True))
+            for r in HUB_RULES
+        ],
     }
+
+
+def _hub() -> Any:
+    from .integrations.transformers import hub
+
+    return hub
 
 
 def _diffusers_report() -> Any:
@@ -121,6 +132,7 @@ def _sample_request(flash_path: dict[str, Any]) -> Any:
     return replace(
         flash_fp32_request(flash_path_on_twins=flash_path["kept_on_twins"]),
         flash_path_unrecognised=flash_path["why"],
+        hub_kernel=_hub().fallback_route("flash_attention_2"),
     )
 
 
@@ -136,6 +148,12 @@ def _rows(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _plan_lines(plan: Plan) -> list[str]:
+    hub = plan.request.hub_kernel
+    if hub and not plan.actions:
+        return [
+            f"  nothing to change at load: transformers loads the hub kernel {hub} for it (where "
+            "it cannot load: the hub rules above decide)"
+        ]
     if not plan.actions:
         return ["  nothing to change"]
     out = []
@@ -223,6 +241,10 @@ def render(as_json: bool = False) -> str:
         lines.append(
             f"  where flash-attn cannot run: not kept, attnguard steps aside ({path['why']})"
         )
+    lines += ["", "Flash attention from the Hugging Face kernel hub (transformers)"]
+    lines += _hub().report_lines(data["kernel_hub"])
+    for rule, when, then, event, code in HUB_RULES:
+        lines.append(f"  {rule} ({event}, {code}): when {when} -> {then}")
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
     lines += _plan_lines(plan_load(_sample_request(path), facts, settings))
     lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/routes.py)"]

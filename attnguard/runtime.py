@@ -142,12 +142,27 @@ def versions() -> dict[str, str | None]:
 
     out: dict[str, str | None] = {"python": platform.python_version()}
     patched = [i.distribution for i in REGISTRY]  # each integration's library
-    for dist in dict.fromkeys(("attnguard", "torch", *patched, "accelerate")):
+    # kernels: the Hugging Face kernel hub's loader (transformers and diffusers use it)
+    for dist in dict.fromkeys(("attnguard", "torch", *patched, "accelerate", "kernels")):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = None
     return out
+
+
+def _hub_fields() -> dict[str, Any]:
+    """Where the kernels package is installed: the hub kernels this machine can load without
+    network (the Hugging Face cache, LOCAL_KERNELS) and whether huggingface_hub is offline."""
+    from .facts import hub
+
+    if hub.kernels_version() is None:
+        return {}
+    try:
+        cached = [f"{k.repo} ({', '.join(k.variants)})" for k in hub.cached()]
+    except Exception:
+        cached = []
+    return {"hub_offline": hub.offline(), "hub_kernels_here": cached}
 
 
 def _exit_summary() -> None:
@@ -256,6 +271,7 @@ def activate(**overrides: Any) -> Settings:
                 reason=f"attnguard active in {new.mode} mode",
                 versions=versions(),
                 settings=new.as_dict(),
+                **_hub_fields(),
             )
         events.say_refused_logs()  # a log path another user occupied, if no line said it yet
         if not events.nothing_to_summarise():

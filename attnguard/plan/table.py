@@ -35,11 +35,15 @@ TABLE: tuple[Rule, ...] = (
         "flash_attention_2/3/4 requested and its kernel cannot run here; the reason code is the "
         "backend's status: package_missing, extension_broken (CUDA extension fails to import), "
         "no_cuda, capability_too_low, version_too_old, probe_failed (a tiny test call failed); "
-        "the model supports flash attention and attnguard's SDPA twins cover this transformers "
-        "release; sdpa is the first usable backend of ATTNGUARD_FALLBACK",
+        "transformers loads no hub kernel for it (no `kernels` package at a version it accepts, "
+        "and no routing of the model to a hub kernel: otherwise the hub rules of "
+        "attnguard.kernels.HUB_RULES apply); the model supports flash attention and "
+        "attnguard's SDPA twins cover this transformers release; sdpa is the first usable "
+        "backend of ATTNGUARD_FALLBACK",
         "keep transformers' flash code path (padding, packed rows, sliding windows, softcap, "
         "bottom-right causal alignment exactly as flash) and compute its kernel calls with "
-        "attnguard's SDPA twins of the flash-attn functions; never a hub kernel",
+        "attnguard's SDPA twins of the flash-attn functions (attnguard itself never fetches a "
+        "hub kernel)",
         "backend_fallback",
         "<backend status>",
         FALLBACK,
@@ -78,7 +82,7 @@ TABLE: tuple[Rule, ...] = (
         "path is given no position_ids, so it detects no packed rows and sdpa computes the same), "
         "or ATTNGUARD_FALLBACK puts another backend first",
         "load with the first backend of ATTNGUARD_FALLBACK that is usable here and that the "
-        "model class supports (never a hub kernel)",
+        "model class supports (attnguard itself never fetches a hub kernel)",
         "backend_fallback",
         "<backend status>",
         FALLBACK,

@@ -183,9 +183,9 @@ def _announce(implementation: str) -> None:
     from ...observability import events
 
     try:
-        from . import hub
+        from ...facts import hub
 
-        if hub.on_twins(implementation):  # its loader said so when it failed
+        if hub.repo_of(implementation):  # a hub kernel: its loader said so when it failed
             return
         status = facts.current(runtime.settings()).backend(implementation)
         if status.reason_code in _announced:
@@ -216,10 +216,10 @@ def _kernel_unusable(implementation: Any) -> bool:
     if implementation is None:
         names: tuple[str, ...] = ("flash_attention_2", "flash_attention_3")
     elif isinstance(implementation, str):
-        from . import hub
+        from . import arguments
 
-        if hub.on_twins(implementation.split("|", 1)[-1]):  # a hub kernel that did not load
-            return True
+        if implementation.split("|", 1)[-1] in arguments.TWIN_ARGUMENTS:
+            return True  # the twins serve it (a hub kernel that did not load: .hub)
         names = (implementation.split("|", 1)[-1],)
     else:
         return False

@@ -140,13 +140,15 @@ def route(cls: type, requested: Any) -> str:
     routed = routing.routed_to(cls, requested)
     if routed is not None:
         return routed if hub_facts.repo_of(routed) else ""
+    return fallback_route(requested) if getattr(cls, "_supports_flash_attn", True) else ""
+
+
+def fallback_route(requested: str) -> str:
+    """The hub kernel transformers' own fallback loads for a ``flash_attention_N`` request here:
+    its flash-attn package missing (transformers' own check) and ``kernels`` at a version it
+    accepts; "" where it loads none."""
     repo = fallback_repo(requested)
-    if (
-        repo
-        and getattr(cls, "_supports_flash_attn", True)
-        and not _flash_available(requested)
-        and _transformers_loads_hub()
-    ):
+    if repo and not _flash_available(requested) and _transformers_loads_hub():
         return repo
     return ""
 
@@ -157,9 +159,88 @@ def kernels_on_twins() -> dict[str, str]:
         return dict(_on_twins)
 
 
-def on_twins(implementation: Any) -> bool:
-    """The twins compute ``implementation`` (a hub kernel name that did not load here)."""
-    return isinstance(implementation, str) and implementation in _on_twins
+def report() -> dict[str, Any]:
+    """For ``attnguard doctor``: the ``kernels`` package as this transformers release sees it,
+    offline mode, the hub kernel transformers itself loads for each flash request here, the hub
+    kernels this machine has without network and what attnguard does where each cannot load, and
+    what became of the hub kernels tried in this process."""
+    import importlib
+
+    try:
+        importlib.import_module("transformers.modeling_utils")
+    except Exception as exc:
+        return {"error": f"transformers does not import ({type(exc).__name__})"}
+    pkg = package()
+    refusal = pkg.refusal()
+    loads_hub = _transformers_loads_hub()
+    fallback = {}
+    for implementation in ("flash_attention_2", "flash_attention_3", "flash_attention_4"):
+        repo = fallback_repo(implementation)
+        if not repo:
+            continue
+        if _flash_available(implementation):
+            fallback[implementation] = "its flash-attn package is installed: no hub kernel"
+        elif loads_hub:
+            fallback[implementation] = f"{repo} (transformers' own fallback)"
+        else:
+            fallback[implementation] = (
+                f"none: transformers would load {repo}, but {refusal[1]}"
+                if refusal
+                else f"none ({repo} not tried)"
+            )
+    return {
+        "kernels": pkg.version,
+        "accepted": pkg.accepted,
+        "refused": refusal[1] if refusal else None,
+        "offline": hub_facts.offline(),
+        "flash_requests": fallback,
+        "here": [
+            {
+                "repo": k.repo,
+                "variants": list(k.variants),
+                "source": k.source,
+                "twins_compute": kernels.hub_twin_of(k.repo),
+            }
+            for k in hub_facts.cached()
+        ],
+        "tried": [
+            {"repo": k.repo, "loaded": k.loaded, "reason_code": k.reason_code, "reason": k.reason}
+            for k in hub_facts.outcomes()
+        ],
+    }
+
+
+def report_lines(data: dict[str, Any]) -> list[str]:
+    """``attnguard doctor``'s text for :func:`report`."""
+    if "error" in data:
+        return [f"  {data['error']}"]
+    version = data["kernels"] or "not installed"
+    accepted = data["accepted"] or "any version"
+    verdict = "refused" if data["refused"] else "accepted"
+    lines = [
+        f"  kernels: {version}; this transformers accepts {accepted}: {verdict}; "
+        f"huggingface_hub offline: {'yes' if data['offline'] else 'no'}"
+    ]
+    for request, what in data["flash_requests"].items():
+        lines.append(f"  {request} with its flash-attn missing: {what}")
+    lines.append("  hub kernels this machine has without network (cache, LOCAL_KERNELS):")
+    for k in data["here"] or []:
+        does = (
+            f"where it cannot load, attnguard's twins compute its {k['twins_compute']} functions"
+            if k["twins_compute"]
+            else "not known to attnguard: where it cannot load, its error stands"
+        )
+        lines.append(f"    {k['repo']} [{', '.join(k['variants'])}] ({k['source']}): {does}")
+    if not data["here"]:
+        lines.append("    none")
+    for k in data["tried"]:
+        state = "loaded" if k["loaded"] else f"did not load ({k['reason_code']}: {k['reason']})"
+        lines.append(f"  this process: {k['repo']} {state}")
+    lines.append(
+        "  known hub kernels whose functions are flash-attn's: "
+        + ", ".join(f"{r} ({f})" for r, f in kernels.HUB_FLASH_KERNELS.items())
+    )
+    return lines
 
 
 # --- the loader ---------------------------------------------------------------------------------
