@@ -198,7 +198,13 @@ def classify_kernel_error(exc: BaseException) -> tuple[str, str] | None:
 def flash_kernel_unusable(implementation: str, settings: Settings | None = None) -> str | None:
     """The backend status code when the flash-attn kernel behind ``implementation`` cannot run in
     this process (then the SDPA twins serve transformers' flash path), else None. Probes the
-    backend the first time (:mod:`attnguard.facts`, with the settings in force)."""
+    backend the first time (:mod:`attnguard.facts`, with the settings in force). For a hub kernel
+    (``"org/repo"``): the reason it did not load, once its library tried (None before, or when
+    it loaded)."""
+    repo = hub.repo_of(implementation)
+    if repo is not None:  # a hub kernel: what became of its library's attempt to load it
+        found = hub.outcome(repo)
+        return found.reason_code if found is not None and not found.loaded else None
     from . import facts
 
     status = facts.current(settings).backend(implementation)

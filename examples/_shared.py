@@ -91,6 +91,15 @@ def computed_by(model: Any) -> str:
     if not (isinstance(impl, str) and "flash" in impl):
         return f"attention {impl!r}: transformers' {impl} code path"
     unusable = kernels.flash_kernel_unusable(impl)
+    functions = kernels.hub_twin_of(impl)
+    if functions is not None:  # a hub kernel (transformers' own fallback, or asked for)
+        if unusable is None:
+            return f"attention {impl!r}: transformers' flash code path on the hub kernel"
+        return (
+            f"attention {impl!r}: transformers' flash code path, its kernel calls computed by "
+            f"attnguard's SDPA twins of the {functions} functions (the hub kernel cannot load "
+            f"here: {unusable})"
+        )
     if unusable is None:
         return f"attention {impl!r}: transformers' flash code path on the flash-attn kernel"
     return (

@@ -16,6 +16,10 @@
 #   installs them itself and skips with the reason without them.
 # .whl/: structlog and the PyPI xformers 0.0.35 wheel (its CUDA ops do not load next to torch
 #   2.11: the real "xformers unusable" case), installed to /tmp/site.
+# .whl-kernels/ (scripts/fetch_kernels_wheels.sh, 13 MB): the `kernels` package at the version
+#   the image's transformers accepts and what it needs beyond the image, installed to
+#   /tmp/kernels-site; TEST_KERNELS_DIR points there and only tests/gpu/test_hub_gpu.py's
+#   programs put it on their path.
 # .whl-diffusers/ (scripts/fetch_diffusers_wheels.sh, 19 MB; carry ".whl-diffusers" too when it
 #   fits): diffusers 0.42.1 and what it needs beyond the image, installed to
 #   /tmp/diffusers-site; TEST_DIFFUSERS_DIR points there and only that test's programs put it on
@@ -154,6 +158,19 @@ if ls .whl-diffusers/*.whl >/dev/null 2>&1; then
 fi
 say "$diffusers_line"
 
+kernels_line="kernels: none (.whl-kernels/ missing): the stand-in hub kernel test skips"
+if ls .whl-kernels/*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/kernels-site
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/kernels-site .whl-kernels/*.whl >>"$log" 2>&1; then
+    export TEST_KERNELS_DIR=/tmp/kernels-site
+    kernels_line="kernels: $(ls .whl-kernels/kernels-*.whl | xargs -n1 basename) -> /tmp/kernels-site"
+  else
+    kernels_line="kernels: pip install of .whl-kernels/ failed (see the log): its test skips"
+  fi
+fi
+say "$kernels_line"
+
 flash_tar=$(ls .gpu-deps/flash_attn-*.tar.xz 2>/dev/null | head -n 1)
 flash_line="real flash-attn: none (.gpu-deps/flash_attn-*.tar.xz missing): its tests skip"
 if [ -n "$flash_tar" ]; then
@@ -197,6 +214,7 @@ ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>>"$log" || 
   python3 -c "import importlib.metadata as m; print('xformers', m.version('xformers'), '/ structlog', m.version('structlog'))" 2>&1 | tail -n 1
   echo "$flash_line"
   echo "$diffusers_line"
+  echo "$kernels_line"
   echo "start-up hook: ATTNGUARD=1 -> attnguard $hook_check"
   # the device's copy of the tree has no trustworthy .git: name the code by its content instead
   # (the same command on the checkout says which commit that is)

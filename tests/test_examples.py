@@ -176,6 +176,7 @@ def test_every_example_has_a_test() -> None:
         "broken_flash_install.py",
         "xformers_unusable.py",
         "diffusers_flash_backend.py",
+        "hub_kernel_air_gapped.py",
     }
     present = {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")}
     assert present == tested
@@ -308,6 +309,31 @@ def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
     assert "No module named 'flash_attn_2_cuda'" in fallback["reason"]
     how_it_works_says("broken_flash_install.py", run)
     assert "with 'flash_attention_2'" in run.stdout and "one training step ran" in run.stdout
+
+
+@pytest.mark.parametrize("kernels", ["absent", "installed"])
+def test_hub_kernel_air_gapped_computes_the_kernel_on_the_twins(kernels: str) -> None:
+    """With the `kernels` package absent, or installed (scripts/test.sh's, at the newest version
+    this transformers accepts where one exists) on a machine without network and an empty cache:
+    the hub kernel cannot load, the twins compute its flash-attn 2 functions."""
+    if not hasattr(transformers.PreTrainedModel, "_check_and_adjust_attn_implementation"):
+        pytest.skip("this transformers release loads no flash attention from the kernel hub")
+    path: list[str] = []
+    if kernels == "installed":
+        where = os.environ.get("TEST_KERNELS_DIR")
+        if not where:
+            pytest.skip(f"no kernels package here: {os.environ.get('TEST_KERNELS_ABSENT', '')}")
+        path = [where]
+    run = run_example("hub_kernel_air_gapped.py", *path, quotes=kernels == "absent")
+    assert "without attnguard: " in run.stdout and "Error" in run.stdout.split("without")[1]
+    assert run.events == ["backend_fallback"]
+    (fallback,) = run.caused()
+    assert fallback["rule"] == "hub-on-sdpa" and fallback["selected"] == "sdpa_twin"
+    assert fallback["reason_code"].startswith("hub_")
+    assert fallback["hub_kernel"] == "kernels-community/flash-attn2"
+    assert "its kernel calls computed by attnguard's SDPA twins of the flash-attn 2" in run.stdout
+    how_it_works_says("hub_kernel_air_gapped.py", run)
+    assert "Generated tokens: " in run.stdout
 
 
 @pytest.mark.skipif(not HAS_XFORMERS, reason="xformers is not installed (scripts/test.sh does)")

@@ -95,7 +95,19 @@ def _batches(torch: Any, device: str) -> dict[str, Any]:
 
 
 def _errors(torch: Any, model: Any, eager: Any, b: dict[str, Any]) -> dict[str, float]:
-    """Largest logit difference from eager at real tokens: plain, padded, packed."""
+    """Largest logit difference from eager at real tokens: plain, padded, packed (in float32)."""
+    model_logits, eager_logits = model, eager
+
+    def model(**kw: Any) -> Any:
+        out = model_logits(**kw)
+        out.logits = out.logits.float()
+        return out
+
+    def eager(**kw: Any) -> Any:
+        out = eager_logits(**kw)
+        out.logits = out.logits.float()
+        return out
+
     with torch.no_grad():
         plain = (model(input_ids=b["ids"]).logits - eager(input_ids=b["ids"]).logits).abs().max()
         real = b["mask"].bool()
@@ -166,6 +178,11 @@ def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -
             result["attn"] = model.config._attn_implementation
             eager = cls.from_pretrained(root / ckpt, attn_implementation="eager", **kw)
             result["errors"] = _errors(torch, model, eager, batches)
+            if dtype != torch.float32:  # both against eager in float32: what bf16 itself costs
+                wide = dict(kw, dtype=torch.float32)
+                eager32 = cls.from_pretrained(root / ckpt, attn_implementation="eager", **wide)
+                result["errors_vs_fp32"] = _errors(torch, model, eager32, batches)
+                result["eager_vs_fp32"] = _errors(torch, eager, eager32, batches)
         except Exception as exc:
             result["error"] = _first_line(exc)
         result["calls"] = _calls(calls)[before:]
