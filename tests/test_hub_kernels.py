@@ -256,3 +256,16 @@ def test_a_hub_kernel_attnguard_does_not_know_fails_as_unguarded(
             continue
         assert [(e["event"], e["rule"]) for e in g["events"]] == [("observed", "hub-aside")]
         assert g["events"][0]["reason_code"].startswith("hub_")
+
+
+def test_strict_mode_names_the_hub_kernel_where_transformers_falls_back_to_it(root: Path) -> None:
+    """transformers turns a failed fallback load into its own flash-attn ImportError; in strict
+    mode the user gets attnguard's error, naming the hub kernel, instead."""
+    if not KERNELS or not ACCEPTED:
+        pytest.skip(f"transformers does not fall back to the hub here: {WHY}")
+    env = _machine(root, "offline")
+    env["ATTNGUARD_MODE"] = "strict"
+    env["HUB_ENV"] = "offline-strict"
+    ran = _program("guarded", root, env, "fallback")["fallback"]
+    assert ran.get("error", "").startswith("AttnGuardError: [hub_kernel_unavailable]"), ran
+    assert HUB in ran["error"]

@@ -32,6 +32,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,9 +54,20 @@ ledger = Ledger("transformers_hub")
 _lock = threading.Lock()
 _on_twins: dict[str, str] = {}  # hub kernel name (as requested) -> the reason code it failed with
 
-# the model whose backend gate is running (its class, and the request it made): the loader is
-# called from inside that gate and needs both to judge the model's arguments and say so
-_GATE: contextvars.ContextVar[tuple[type, Any] | None] = contextvars.ContextVar(
+
+@dataclass
+class _Gate:
+    """The model whose backend gate is running (its class, and the request it made): the loader
+    is called from inside that gate and needs both to judge the model's arguments and say so.
+    ``strict``: the AttnGuardError strict mode raised in the loader (transformers turns a failed
+    fallback load into its own flash-attn ImportError; the gate raises this one instead)."""
+
+    cls: type
+    requested: Any
+    strict: AttnGuardError | None = None
+
+
+_GATE: contextvars.ContextVar[_Gate | None] = contextvars.ContextVar(
     "attnguard_hub_gate", default=None
 )
 
@@ -63,9 +75,14 @@ _GATE: contextvars.ContextVar[tuple[type, Any] | None] = contextvars.ContextVar(
 @contextmanager
 def gate(cls: type, requested: Any) -> Iterator[None]:
     """While open, a hub kernel loaded on this thread is loaded for ``cls``'s ``requested``."""
-    token = _GATE.set((cls, requested))
+    current = _Gate(cls, requested)
+    token = _GATE.set(current)
     try:
         yield
+    except Exception as exc:
+        if current.strict is not None and exc is not current.strict:
+            raise current.strict from exc
+        raise
     finally:
         _GATE.reset(token)
 
@@ -286,7 +303,8 @@ def _failed(
     from . import flash_path
 
     outcome = hub_facts.record(repo, exc, package())
-    cls, requested = _GATE.get() or (None, None)
+    current = _GATE.get()
+    cls, requested = (current.cls, current.requested) if current is not None else (None, None)
     chosen_for = requested if isinstance(requested, str) and requested != name else ""
     uncomputed: tuple[str, ...] = ()
     path_problem = flash_path.unrecognised()
@@ -315,16 +333,34 @@ def _failed(
         )
         return None
     settings = runtime.IN_FORCE.settings
-    if settings is None or not callguard.decide(
-        settings,
-        "fallback",
-        "backend_fallback",
-        site,
-        verdict.reason_code,
-        verdict.reason,
-        selected=kernels.Kernel.SDPA_TWIN.value,
-        **fields,
-    ):
+    if settings is None or not settings.enabled:
+        return None
+    if not settings.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
+        problem = verdict.reason.split("; attnguard:", 1)[0]
+        events.emit(
+            "observed",
+            site=site,
+            reason_code=verdict.reason_code,
+            reason=f"{problem}; left as is (ATTNGUARD_DISABLE names fallback)",
+            **fields,
+        )
+        return None
+    try:
+        applied = callguard.decide(
+            settings,
+            "fallback",
+            "backend_fallback",
+            site,
+            verdict.reason_code,
+            verdict.reason,
+            selected=kernels.Kernel.SDPA_TWIN.value,
+            **fields,
+        )
+    except AttnGuardError as strict:
+        if current is not None:
+            current.strict = strict
+        raise
+    if not applied:
         return None
     with _lock:
         _on_twins[name] = verdict.reason_code
