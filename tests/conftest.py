@@ -21,7 +21,7 @@ for _var in [v for v in os.environ if v.startswith("ATTNGUARD")]:
 os.environ["ATTNGUARD_LOG"] = "none"
 
 import attnguard  # noqa: E402
-from attnguard.observability import events  # noqa: E402
+from attnguard.observability import events, workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STANDINS = REPO / "tests" / "standins"
@@ -52,9 +52,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _clean_guard() -> Iterator[None]:
     attnguard.deactivate()
     events.reset_counts()
+    workload.reset()  # what reached the twins: the summary's advice reads it
     yield
     attnguard.deactivate()
     events.reset_counts()
+    workload.reset()
 
 
 @pytest.fixture
