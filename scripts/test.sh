@@ -106,6 +106,15 @@ fi
 # the tests fail (not skip) where diffusers does not import after this
 [ -z "${TEST_DIFFUSERS_ABSENT:-}" ] && export TEST_DIFFUSERS_EXPECTED=1
 
+# README's two commands (the full suite, `-m smoke`) record their counts and minutes
+# (tests/conftest.py); README's ranges are checked against that record after the run
+kind=""
+[ "$#" -eq 0 ] && kind=full
+[ "$*" = "-m smoke" ] && kind=smoke
+[ "${TEST_ZOO:-}" = all ] && kind=""
+record="${TEST_RUNS_DIR:-$PWD/.test-runs}/$kind.json"
+[ -n "$kind" ] && rm -f "$record"
+
 set +e
 PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"
 rc=$?
@@ -113,5 +122,8 @@ set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
   exit 1
+fi
+if [ -n "$kind" ] && [ -f "$record" ] && ! "$PY" tests/run_record.py "$kind"; then
+  [ "$rc" -eq 0 ] && rc=1
 fi
 exit "$rc"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,22 @@ ONCE = {
     "test_log_shipper.py",
     "test_otel_exit.py",
 }
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._attnguard_started = time.monotonic()  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """The README's test commands record their counts and minutes (tests/run_record.py)."""
+    import run_record
+
+    kind = run_record.run_kind(config)
+    started = getattr(config, "_attnguard_started", None)
+    if kind is None or started is None or exitstatus not in (0, 1):
+        return
+    path = run_record.record(kind, terminalreporter.stats, time.monotonic() - started)
+    terminalreporter.write_line(f"{kind} run recorded in {path} (README checks its numbers)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -5,8 +5,12 @@ the newest transformers release a test run uses (attnguard/support.py)."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
+
+from conftest import PY, subprocess_env
 
 from attnguard import support
 from attnguard.integrations import REGISTRY, LibraryIntegration
@@ -78,3 +82,86 @@ def test_broken_flash_attn_tables_reach_the_newest_tested_release() -> None:
             default=None,
         )
         assert reached is not None and reached >= newest, (table.splitlines()[0], reached)
+
+
+# --- README's words about where things go, checked by doing it ----------------------------------
+
+_EMIT = (
+    "import attnguard\n"
+    "from attnguard.observability import events\n"
+    "events.emit('backend_fallback', site='t', reason_code='package_missing', reason='y',"
+    " applied=attnguard.settings().changes_things)\n"
+)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-c", code], env=subprocess_env(**env), capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_log_path_gets_its_missing_directories_as_readme_says(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "its missing directories are created" in readme
+    assert "must name a file in a directory you can write to" not in readme
+    path = tmp_path / "not" / "yet" / "there" / "events-{rank}.jsonl"
+    res = _python(_EMIT, ATTNGUARD_LOG=str(path))
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert (tmp_path / "not" / "yet" / "there" / "events-0.jsonl").read_text().count("\n") >= 2
+    # a path that cannot be created (its "directory" is a file): one line at start, unguarded
+    (tmp_path / "a-file").write_text("")
+    res = _python(_EMIT, ATTNGUARD_LOG=str(tmp_path / "a-file" / "events.jsonl"))
+    assert res.returncode == 0 and "invalid ATTNGUARD_LOG" in res.stderr
+
+
+def test_warn_mode_summary_goes_where_readme_says(tmp_path: Path) -> None:
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (
+        "In warn mode (`ATTNGUARD_MODE=warn`) nothing was changed, so the summary is an INFO "
+        "event: by default it does not reach stderr; it goes to the log file "
+        '(`ATTNGUARD_LOG=stderr,<path>`) and to the `"attnguard"` logger at INFO, and to '
+        "stderr with `ATTNGUARD_LOG_LEVEL=info`."
+    ) in readme
+    log = tmp_path / "events.jsonl"
+    res = _python(_EMIT, ATTNGUARD_MODE="warn", ATTNGUARD_LOG=f"stderr,{log}")
+    assert "backend_fallback" in res.stderr and "summary" not in res.stderr
+    said = [json.loads(line) for line in log.read_text().splitlines()]
+    (summary,) = [e for e in said if e["event"] == "summary"]
+    assert summary["level"] == "info" and summary["would_have"] == 1
+    logged = (
+        "import logging\n"
+        "seen = []\n"
+        "class Keep(logging.Handler):\n"
+        "    def emit(self, record):\n"
+        "        seen.append(record.event)\n"
+        "logging.getLogger('attnguard').addHandler(Keep())\n"
+        "logging.getLogger('attnguard').setLevel(logging.INFO)\n" + _EMIT + "attnguard.finish()\n"
+        "print(seen)\n"
+    )
+    res = _python(logged, ATTNGUARD_MODE="warn", ATTNGUARD_LOG="none")
+    assert "'summary'" in res.stdout, res.stdout
+    res = _python(_EMIT, ATTNGUARD_MODE="warn", ATTNGUARD_LOG_LEVEL="info")
+    assert '"event": "summary"' in res.stderr, res.stderr[-2000:]
+
+
+def _cpu_median(text: str, install: str) -> float:
+    """The per-pair CPU ms median of docs/benchmarks.md's start-up row for ``install``."""
+    row = re.search(rf"^\| {install}: `-c pass`: `ATTNGUARD=0` vs `1` \|(.+)$", text, re.M)
+    assert row, f"docs/benchmarks.md has no '{install}' start-up row"
+    return float(row.group(1).split("|")[4].split()[0])
+
+
+def test_readme_start_up_cost_is_the_one_measured() -> None:
+    """README's cost of ATTNGUARD=1 in a process that imports nothing guarded is what
+    bench/bench_startup.py measured (docs/benchmarks.md), with and without bytecode."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    said = re.search(
+        r"pays (\d+) to (\d+) ms where attnguard's bytecode is compiled .*? and about (\d+) ms "
+        r"where none can be written",
+        readme,
+    )
+    assert said, "README no longer says what ATTNGUARD=1 costs a process"
+    low, high, about = map(int, said.groups())
+    benchmarks = (REPO / "docs" / "benchmarks.md").read_text()
+    assert low <= _cpu_median(benchmarks, "compiled") <= high
+    assert abs(_cpu_median(benchmarks, "no bytecode") - about) <= 0.25 * about
