@@ -167,12 +167,9 @@ def _assert_exported(exporter: Any, sent: dict[str, dict[str, Any]], env: dict[s
             assert _plain(attrs[key]) == value, key
         own = set(fields) - {"site", "reason_code", "reason"}
         assert own and own <= set(attrs)
-        # OpenTelemetry's event conventions: a low-cardinality event.name on every record (an
-        # attribute, or the record's event_name where the handler promotes it there, as
-        # opentelemetry-instrumentation-logging 0.66b2's does), and error.type (the
-        # exception's type) on attnguard's own errors only
-        promoted = getattr(rec, "event_name", None)
-        assert attrs.get("event.name", promoted) == f"attnguard.{name}"
+        # OpenTelemetry's event conventions: event.name on every record (instrumentation-logging
+        # 0.66b2 promotes it to event_name), error.type on attnguard's own errors only
+        assert attrs.get("event.name", getattr(rec, "event_name", None)) == f"attnguard.{name}"
         if name == "internal_error":
             assert attrs["error.type"] == fields.get("error_type", fields["reason_code"])
         else:
