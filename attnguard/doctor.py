@@ -6,6 +6,7 @@ apply to ``flash_attention_2`` + float32 + no device_map — computed by the sam
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -59,8 +60,78 @@ def _guard_line(state: dict[str, Any]) -> str:
     return f"guard: {hook}; a program that imports attnguard: {imported}"
 
 
+# the sample plan's rules that decide who serves a flash request whose kernel cannot run here
+_BACKEND_RULES = (
+    "flash-on-sdpa",
+    "flash-unusable",
+    "flash-path-unrecognised",
+    "flash-args-uncomputed",
+    "no-fallback",
+    "remedy-disabled",
+)
+
+
+def verdict(data: Mapping[str, Any]) -> str:
+    """The doctor's first line: who serves ``flash_attention_2`` requests on this machine, and
+    why. A pure function of what :func:`collect` gathered (the guard's state, the settings, the
+    backend's status, the sample plan): a new way of serving one (a hub kernel) is one more
+    branch here."""
+    head = "flash_attention_2 requests on this machine"
+    flash = data["facts"]["backends"].get("flash_attention_2") or {}
+    why = flash.get("reason") or "not judged"
+    mode = data["settings"].get("mode")
+    if flash.get("usable"):
+        version = f" {flash['version']}" if flash.get("version") else ""
+        guarded = "" if data["guard"]["active_when_imported"] else "; attnguard is switched off"
+        return f"{head}: served by flash-attn{version} itself (it runs here){guarded}"
+    hub = (data["sample_plan"].get("request") or {}).get("hub_kernel")
+    if hub:  # transformers' own fallback: the hub kernel, tried as without attnguard
+        found = data.get("kernel_hub") or {}
+        here = {k["repo"] for k in found.get("here") or []}
+        if found.get("offline") and hub.split("@", 1)[0] not in here:
+            tail = (
+                "; attnguard is switched off"
+                if not data["guard"]["active_when_imported"]
+                else ": served by attnguard's twins of its flash-attn functions"
+            )
+            return (
+                f"{head}: transformers would load the hub kernel {hub} ({why}), which this "
+                f"machine does not have and cannot fetch (offline){tail}"
+            )
+        return (
+            f"{head}: served by the hub kernel {hub}, which transformers loads for them ({why}); "
+            "where it cannot load, by attnguard's twins of its flash-attn functions"
+        )
+    if not data["guard"]["active_when_imported"]:
+        return f"{head}: transformers' own error ({why}); attnguard is switched off"
+    action = next((a for a in data["sample_plan"]["actions"] if a["rule"] in _BACKEND_RULES), None)
+    if action is None:
+        return f"{head}: as transformers decides ({why}); attnguard plans no change"
+    rule = action["rule"]
+    if rule in ("flash-on-sdpa", "flash-unusable"):
+        served = (
+            "attnguard's twins on transformers' flash code path"
+            if rule == "flash-on-sdpa"
+            else f"transformers' {action['after']} attention (the first of ATTNGUARD_FALLBACK that fits)"
+        )
+        if mode == "warn":
+            return (
+                f"{head}: transformers' own error ({why}); warn mode only reports that they "
+                f"would be served by {served}"
+            )
+        if mode == "strict":
+            return f"{head}: AttnGuardError ({why}); strict mode raises instead of serving them"
+        return f"{head}: served by {served} ({why})"
+    if rule == "remedy-disabled":
+        return f"{head}: transformers' own error ({why}); ATTNGUARD_DISABLE=fallback keeps it"
+    if rule == "no-fallback":
+        return f"{head}: transformers' own error ({why}); no backend of ATTNGUARD_FALLBACK fits"
+    # flash-path-unrecognised, flash-args-uncomputed: attnguard steps aside
+    return f"{head}: as without attnguard ({why}); attnguard steps aside: {action['problem']}"
+
+
 def collect() -> dict[str, Any]:
-    """Facts, table and the sample plan as one JSON-friendly dict."""
+    """Facts, table and the sample plan as one JSON-friendly dict, the verdict first."""
     from .runtime import versions
 
     facts = facts_mod.current(runtime.settings())
@@ -69,7 +140,7 @@ def collect() -> dict[str, Any]:
     plan = plan_load(_sample_request(flash_path), facts, settings)
     # the settings a guarded program here would use; whether one is guarded is "guard"'s to say
     shown = {k: v for k, v in settings.as_dict().items() if k != "enabled"}
-    return {
+    data = {
         "versions": versions(),
         "guard": guard_state(),
         "settings": shown,
@@ -92,6 +163,7 @@ def collect() -> dict[str, Any]:
             for r in HUB_RULES
         ],
     }
+    return {"verdict": verdict(data), **data}
 
 
 def _hub() -> Any:
@@ -177,7 +249,7 @@ def render(as_json: bool = False) -> str:
         return json.dumps(data, indent=2, default=str)
     facts = facts_mod.current(runtime.settings())
     settings = _settings()
-    lines = ["attnguard doctor", ""]
+    lines = [data["verdict"], "", "attnguard doctor", ""]
     lines.append(
         "versions: " + ", ".join(f"{k} {v}" for k, v in data["versions"].items() if v is not None)
     )

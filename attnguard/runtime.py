@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from . import config, launch
 from ._settings import InForce
 from .config import EnvironmentSettingError, Settings, load
-from .observability import events
+from .observability import events, workload
 
 if TYPE_CHECKING:
     from .integrations import Integration
@@ -171,6 +171,13 @@ def _exit_summary() -> None:
     emit_exit_summary()
 
 
+def _device_read_so_far() -> dict[str, Any]:
+    """The device facts the exit summary's advice reads: what decisions read during the run
+    (nothing is imported or read for the summary)."""
+    machine = sys.modules.get("attnguard.facts.machine")
+    return machine.device_read_so_far() if machine is not None else {}
+
+
 def _ready_exit_summary() -> None:
     """Import the exit summary's modules now that it is due, never first at exit: there an
     import clears CPython's record of an unhandled Ctrl-C (see ``events._at_exit``)."""
@@ -259,6 +266,7 @@ def activate(**overrides: Any) -> Settings:
         IN_FORCE.settings = new
         _active = True
         events.register_exit_summary(_exit_summary, _first_event)
+        workload.set_machine_reader(_device_read_so_far)
         if not helper and events.launch_context()["world_size"] > 1:
             from .observability.jobdir import announce_alive
 

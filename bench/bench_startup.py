@@ -19,6 +19,7 @@ The machine this runs on is shared: run it on a quiet machine or read the median
 spread printed beside them.
 
     python bench/bench_startup.py [--pairs 30] [--baseline /path/to/other/checkout] [--smoke]
+        [--no-bytecode]
 
 ``--smoke`` (CI): two pairs per row, no baseline.
 """
@@ -42,15 +43,17 @@ import _smoke
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_venv(root: Path, name: str, source: Path | None) -> Path:
-    """A venv with ``source`` pip-installed (None: without attnguard); this environment's
-    packages on its path through a .pth that sorts before attnguard.pth."""
+def make_venv(root: Path, name: str, source: Path | None, compile_: bool = True) -> Path:
+    """A venv with ``source`` pip-installed (None: without attnguard; ``compile_``: with its
+    bytecode, as pip installs it); this environment's packages on its path through a .pth that
+    sorts before attnguard.pth."""
     venv = root / name
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
     if source is not None:
         subprocess.run(
             [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps"]
+            + ([] if compile_ else ["--no-compile"])
             + [str(source)],
             check=True,
         )
@@ -64,8 +67,9 @@ def make_venv(root: Path, name: str, source: Path | None) -> Path:
     return py
 
 
-def run_once(py: Path, code: str, env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one ``python -c code``."""
+def run_once(py: Path, code: str, env: dict[str, str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system: what a busy machine's other
+    work does not inflate as much) of one ``python -c code``."""
     argv = [str(py), "-c", code]
     devnull = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0) for fd in (1, 2)]
     t0 = time.perf_counter()
@@ -74,7 +78,7 @@ def run_once(py: Path, code: str, env: dict[str, str]) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{argv} failed with env {sorted(k for k in env if 'ATTN' in k)}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def pairs(
@@ -82,12 +86,14 @@ def pairs(
 ) -> dict[str, list[float]]:
     for side in (a, b):  # warm the page cache
         run_once(*side)
-    out: dict[str, list[float]] = {"a_ms": [], "b_ms": [], "a_mib": [], "b_mib": []}
+    out: dict[str, list[float]] = {k: [] for k in ("a_ms", "b_ms", "a_mib", "b_mib")}
+    out.update(a_cpu=[], b_cpu=[])
     for _ in range(n):
         for key, side in (("a", a), ("b", b)):
-            wall, rss = run_once(*side)
+            wall, rss, cpu = run_once(*side)
             out[f"{key}_ms"].append(wall * 1e3)
             out[f"{key}_mib"].append(rss)
+            out[f"{key}_cpu"].append(cpu * 1e3)
     return out
 
 
@@ -95,9 +101,12 @@ def row(label: str, got: dict[str, list[float]]) -> str:
     med = {k: statistics.median(v) for k, v in got.items()}
     diffs = [b - a for a, b in zip(got["a_ms"], got["b_ms"], strict=True)]
     q = statistics.quantiles(diffs, n=4)
+    cpu = [b - a for a, b in zip(got["a_cpu"], got["b_cpu"], strict=True)]
+    qc = statistics.quantiles(cpu, n=4)
     return (
         f"| {label} | {med['a_ms']:.1f} | {med['b_ms']:.1f} | {med['b_ms'] - med['a_ms']:+.1f} "
         f"| {statistics.median(diffs):+.1f} [{q[0]:+.1f}, {q[2]:+.1f}] "
+        f"| {statistics.median(cpu):+.1f} [{qc[0]:+.1f}, {qc[2]:+.1f}] "
         f"| {med['a_mib']:.2f} | {med['b_mib']:.2f} | {med['b_mib'] - med['a_mib']:+.2f} |"
     )
 
@@ -107,6 +116,12 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--baseline", type=Path, help="another attnguard checkout (before)")
     ap.add_argument("--smoke", action="store_true", help="CI: two pairs per row, no baseline")
+    ap.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="attnguard installed without bytecode and PYTHONDONTWRITEBYTECODE=1 (a container "
+        "image that sets it): every process compiles the modules it imports",
+    )
     args = ap.parse_args()
     if args.smoke:
         args.pairs, args.baseline = 2, None
@@ -114,14 +129,19 @@ def main() -> None:
     for var in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE"):  # as installed: bytecode cached
         base.pop(var, None)
     base.update(HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1")
+    if args.no_bytecode:
+        base["PYTHONDONTWRITEBYTECODE"] = "1"
     off, on = dict(base, ATTNGUARD="0"), dict(base, ATTNGUARD="1")
     tf_code = "import transformers"
     load0 = os.getloadavg()[0]
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         plain = make_venv(Path(tmp), "plain", None)
-        this = make_venv(Path(tmp), "this", REPO)
-        baseline = make_venv(Path(tmp), "baseline", args.baseline) if args.baseline else None
+        compiled = not args.no_bytecode
+        this = make_venv(Path(tmp), "this", REPO, compiled)
+        baseline = (
+            make_venv(Path(tmp), "baseline", args.baseline, compiled) if args.baseline else None
+        )
         cases = [("`-c pass`: no attnguard vs installed, unset", plain, this, "pass", base, base)]
         for before, py in (("", this), (", before", baseline)):
             if py is None:
@@ -137,14 +157,15 @@ def main() -> None:
     print(
         f"{datetime.date.today()}, {platform.machine()} CPU ({os.cpu_count()} cores), Python "
         f"{platform.python_version()}, transformers {tf.__version__}; {args.pairs} alternating "
-        f"pairs; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+        f"pairs; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+        f"attnguard {'without bytecode (PYTHONDONTWRITEBYTECODE=1)' if args.no_bytecode else 'compiled'}"
     )
     print()
     print(
         "| processes (A vs B) | A ms | B ms | B − A ms | per-pair B − A: median [q1, q3] "
-        "| A MiB | B MiB | B − A MiB |"
+        "| per-pair B − A CPU ms: median [q1, q3] | A MiB | B MiB | B − A MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     if args.smoke:
         _smoke.ran(f"{len(lines)} rows in fresh venvs with and without this checkout")

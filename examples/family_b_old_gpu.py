@@ -71,7 +71,8 @@ def main() -> None:
     )
     print(f"  {computed_by(model)}")
 
-    # The same load on a V100 with flash-attn 2.8.3 installed (injected facts, not run).
+    # The same load on a V100 with flash-attn 2.8.3 installed (injected facts, not run), with
+    # this transformers' flash path kept on the twins where it was kept here
     v100 = facts.synthetic(
         ((7, 0),), installed={"flash_attention_2": "2.8.3"}, gpu_name="Tesla V100-SXM2-32GB"
     )
@@ -80,6 +81,7 @@ def main() -> None:
         attn_implementation="flash_attention_2",
         dtype="bfloat16",
         device_map=None,
+        flash_path_on_twins=any(e.get("rule") == "flash-on-sdpa" for e in captured),
     )
     planned = show_plan("on a V100", plan_load(request, v100, attnguard.settings()))
     finish(captured, planned)

@@ -88,6 +88,19 @@ def plan_ranks(title: str, model_bytes: int | None, n_gpus: int) -> list[str]:
     return planned
 
 
+def how_to_see_it(world: int, gpus: int) -> str:
+    """What it takes to see the real failure, from where this run stands."""
+    command = f"torchrun --nproc-per-node=2 {os.path.relpath(__file__)}"
+    if world >= 2:  # started under a launcher already: the machine is what is missing
+        return (
+            f"The real failure needs 2 GPUs; this machine has {gpus}: the same command on a "
+            "machine with 2 GPUs shows it"
+        )
+    if gpus >= 2:
+        return f"The real failure needs several processes: {command}"
+    return f"The real failure needs 2 GPUs: on a machine with 2, {command}"
+
+
 def main() -> None:
     import importlib.util
 
@@ -113,7 +126,7 @@ def main() -> None:
     print(f"  {computed_by(model)}")
     planned = None
     if world < 2 or torch.cuda.device_count() < 2:
-        print("The real failure needs 2 GPUs: torchrun --nproc-per-node=2 " + __file__)
+        print(how_to_see_it(world, torch.cuda.device_count()))
         planned = plan_ranks("tiny Qwen2.5-VL, 2 GPUs", None, 2)
         # a 72B-shaped Qwen2.5-VL (bf16, ~145 GB): too big for one GPU -> a GPU slice per rank
         big = Qwen2_5_VLConfig(

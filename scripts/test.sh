@@ -143,6 +143,14 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
 else
   export TEST_KERNELS_ABSENT="this transformers release loads no hub kernels"
 fi
+# README's two commands (the full suite, `-m smoke`) record their counts and minutes
+# (tests/conftest.py); README's ranges are checked against that record after the run
+kind=""
+[ "$#" -eq 0 ] && kind=full
+[ "$*" = "-m smoke" ] && kind=smoke
+[ "${TEST_ZOO:-}" = all ] && kind=""
+record="${TEST_RUNS_DIR:-$PWD/.test-runs}/$kind.json"
+[ -n "$kind" ] && rm -f "$record"
 
 set +e
 PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"
@@ -151,5 +159,8 @@ set -e
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
   exit 1
+fi
+if [ -n "$kind" ] && [ -f "$record" ] && ! "$PY" tests/run_record.py "$kind"; then
+  [ "$rc" -eq 0 ] && rc=1
 fi
 exit "$rc"

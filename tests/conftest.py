@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ for _var in [v for v in os.environ if v.startswith("ATTNGUARD")]:
 os.environ["ATTNGUARD_LOG"] = "none"
 
 import attnguard  # noqa: E402
-from attnguard.observability import events  # noqa: E402
+from attnguard.observability import events, workload  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 STANDINS = REPO / "tests" / "standins"
@@ -42,6 +43,22 @@ ONCE = {
 }
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._attnguard_started = time.monotonic()  # type: ignore[attr-defined]
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """The README's test commands record their counts and minutes (tests/run_record.py)."""
+    import run_record
+
+    kind = run_record.run_kind(config)
+    started = getattr(config, "_attnguard_started", None)
+    if kind is None or started is None or exitstatus not in (0, 1):
+        return
+    path = run_record.record(kind, terminalreporter.stats, time.monotonic() - started)
+    terminalreporter.write_line(f"{kind} run recorded in {path} (README checks its numbers)")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in ONCE:
@@ -52,9 +69,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _clean_guard() -> Iterator[None]:
     attnguard.deactivate()
     events.reset_counts()
+    workload.reset()  # what reached the twins: the summary's advice reads it
     yield
     attnguard.deactivate()
     events.reset_counts()
+    workload.reset()
 
 
 @pytest.fixture

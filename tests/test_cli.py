@@ -4,11 +4,13 @@ console-format stderr. Real processes and pipes throughout."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import PY, subprocess_env
@@ -147,3 +149,97 @@ def test_doctor_says_whether_programs_here_are_guarded(
         data = json.loads(doctor.render(as_json=True))
         assert data["guard"] == doctor.guard_state() and "enabled" not in data["settings"]
         assert line in doctor.render(as_json=False).splitlines()
+
+
+# --- attnguard doctor's first line: who serves flash_attention_2 here ---------------------------
+
+
+def _doctor_data(usable: bool, mode: str = "fix", guarded: bool = True, **action: Any) -> Any:
+    """What doctor gathers, as far as its verdict reads it."""
+    flash = {"usable": usable, "reason": "flash-attn is not installed", "version": None}
+    if usable:
+        flash.update(reason="flash-attn 2.8.3 works on this GPU", version="2.8.3")
+    actions = [{"problem": "p", "after": None, **action}] if action else []
+    return {
+        "guard": {"active_when_imported": guarded},
+        "settings": {"mode": mode},
+        "facts": {"backends": {"flash_attention_2": flash}},
+        "sample_plan": {"actions": actions},
+    }
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        (_doctor_data(True), "served by flash-attn 2.8.3 itself (it runs here)"),
+        (
+            _doctor_data(False, rule="flash-on-sdpa", after="sdpa_twin"),
+            "served by attnguard's twins on transformers' flash code path "
+            "(flash-attn is not installed)",
+        ),
+        (
+            _doctor_data(False, rule="flash-unusable", after="eager"),
+            "served by transformers' eager attention (the first of ATTNGUARD_FALLBACK that fits) "
+            "(flash-attn is not installed)",
+        ),
+        (
+            _doctor_data(False, "warn", rule="flash-on-sdpa", after="sdpa_twin"),
+            "transformers' own error (flash-attn is not installed); warn mode only reports",
+        ),
+        (
+            _doctor_data(False, "strict", rule="flash-on-sdpa", after="sdpa_twin"),
+            "AttnGuardError (flash-attn is not installed); strict mode raises",
+        ),
+        (
+            _doctor_data(False, rule="remedy-disabled"),
+            "transformers' own error (flash-attn is not installed); ATTNGUARD_DISABLE=fallback",
+        ),
+        (
+            _doctor_data(False, guarded=False, rule="flash-on-sdpa", after="sdpa_twin"),
+            "transformers' own error (flash-attn is not installed); attnguard is switched off",
+        ),
+        (
+            _doctor_data(False, rule="flash-path-unrecognised", problem="no _lazy_imports"),
+            "as without attnguard (flash-attn is not installed); attnguard steps aside: no _lazy",
+        ),
+    ],
+)
+def test_doctor_verdict_is_a_function_of_what_it_gathered(data: Any, said: str) -> None:
+    from attnguard import doctor
+
+    line = doctor.verdict(data)
+    assert line.startswith("flash_attention_2 requests on this machine: " + said), line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({}, "served by attnguard's twins on transformers' flash code path"),
+        ({"ATTNGUARD_MODE": "warn"}, "warn mode only reports"),
+        ({"ATTNGUARD_DISABLE": "fallback"}, "ATTNGUARD_DISABLE=fallback keeps it"),
+    ],
+)
+def test_doctor_opens_with_its_verdict(env: dict[str, str], said: str) -> None:
+    """``attnguard doctor`` on this machine (flash-attn absent, CPU): the first line says who
+    serves flash_attention_2 requests, then the report; --json carries it first too."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is importable here")
+    run = subprocess.run(
+        [PY, "-m", "attnguard", "doctor"],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    first, blank, title = run.stdout.splitlines()[:3]
+    assert first.startswith("flash_attention_2 requests on this machine: ") and said in first
+    assert "(flash-attn is not installed)" in first and (blank, title) == ("", "attnguard doctor")
+    raw = subprocess.run(
+        [PY, "-m", "attnguard", "doctor", "--json"],
+        env=subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert next(iter(json.loads(raw))) == "verdict" and json.loads(raw)["verdict"] == first

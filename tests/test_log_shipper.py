@@ -1,13 +1,14 @@
 """The per-rank JSON files through a real log shipper: rsyslog's ``imfile`` (the one of Debian's
 packages that ships one: ``apt-get install rsyslog``; Fluent Bit, Vector, Fluentd and Filebeat
-are not among Debian 12's packages) tailing ``events-*.jsonl`` of a real torchrun job (two
+are not among Debian 12's packages) tailing ``attnguard-*.jsonl`` of a real torchrun job (two
 ranks, gloo, the group destroyed before exit), ``mmjsonparse`` reading each line's fields, and
-an ``omfile`` template writing the fields a pipeline groups by. Skipped where rsyslogd is not
-installed.
+an ``omfile`` template writing the fields a pipeline groups by: the rules of docs/observability.md's
+recipe G, read from there. Skipped where rsyslogd is not installed.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -34,19 +35,19 @@ dist.barrier()
 dist.destroy_process_group()
 """
 
-CONFIG = """
-global(workDirectory="{work}")
-module(load="imfile")
-module(load="mmjsonparse")
-input(type="imfile" file="{logs}/events-*.jsonl" tag="attnguard")
-template(name="fields" type="list") {{
-  property(name="$!event") constant(value="|") property(name="$!rank") constant(value="|")
-  property(name="$!site") constant(value="|") property(name="$!reason_code") constant(value="|")
-  property(name="$!count") constant(value="|") property(name="$!ranks") constant(value="\\n")
-}}
-action(type="mmjsonparse" cookie="")
-if $parsesuccess == "OK" then action(type="omfile" file="{out}" template="fields")
-"""
+DOC = Path(__file__).resolve().parent.parent / "docs" / "observability.md"
+
+
+def recipe_config(logs: Path, out: Path, work: Path) -> str:
+    """docs/observability.md's rsyslog recipe (recipe G) as written, its paths moved to the
+    test's directories and a work directory of its own (rsyslogd runs as this user here)."""
+    match = re.search(r"<!-- recipe: rsyslog -->\s*```text\n(.*?)```", DOC.read_text(), re.S)
+    assert match, "docs/observability.md lost its rsyslog recipe"
+    config = match.group(1)
+    for path, here in (("/var/log/train/", f"{logs}/"), ("/var/log/attnguard-fields.log", out)):
+        assert path in config
+        config = config.replace(path, str(here))
+    return f'global(workDirectory="{work}")\n{config}'
 
 
 @pytest.mark.skipif(RSYSLOGD is None, reason="rsyslogd is not installed (apt-get install rsyslog)")
@@ -54,7 +55,8 @@ def test_rsyslog_imfile_ships_every_rank_and_the_job_summary(tmp_path: Path) -> 
     logs = tmp_path / "logs"
     logs.mkdir()
     (tmp_path / "worker.py").write_text(WORKER)
-    env = subprocess_env(ATTNGUARD_LOG=str(logs / "events-{rank}.jsonl"), OMP_NUM_THREADS="1")
+    # recipe A's per-rank files, as recipe G's rsyslog rules read them
+    env = subprocess_env(ATTNGUARD_LOG=str(logs / "attnguard-{rank}.jsonl"), OMP_NUM_THREADS="1")
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     res = subprocess.run(
         [*cmd, str(tmp_path / "worker.py")], env=env, capture_output=True, text=True, timeout=240
@@ -64,7 +66,7 @@ def test_rsyslog_imfile_ships_every_rank_and_the_job_summary(tmp_path: Path) -> 
     work, out = tmp_path / "rsyslog", tmp_path / "shipped.txt"
     work.mkdir()
     conf = tmp_path / "rsyslog.conf"
-    conf.write_text(CONFIG.format(work=work, logs=logs, out=out))
+    conf.write_text(recipe_config(logs, out, work))
     shipper = subprocess.Popen(
         [str(RSYSLOGD), "-n", "-f", str(conf), "-i", str(work / "pid")],
         stdout=subprocess.PIPE,

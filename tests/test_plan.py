@@ -407,6 +407,23 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         ("paged|flash_attention_2", TW, None, None),
     ),
     (
+        "V100, twins do not cover this transformers: sdpa, left where its caller puts it (nothing "
+        "of the request needs a GPU any more: no placement, and no cast of a model on the CPU)",
+        machine("V100"),
+        req(flash_path_on_twins=False),
+        S,
+        [unusable("capability_too_low")],
+        ("sdpa", None, None, None),
+    ),
+    (
+        "H100 bf16, the model class has no flash support: sdpa, not placed",
+        machine("H100"),
+        req(dtype="bfloat16", supports_flash=False),
+        S,
+        [("flash-unsupported", "backend_fallback", "model_unsupported")],
+        ("sdpa", None, None, None),
+    ),
+    (
         "twins do not cover this transformers: transformers' sdpa",
         machine(None, flash=None),
         req(flash_path_on_twins=False),

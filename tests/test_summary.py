@@ -16,6 +16,7 @@ from typing import Any
 from conftest import PY, subprocess_env
 
 from attnguard.observability import eventfiles, events, summary
+from attnguard.observability.advice import Facts
 from attnguard.observability.eventfiles import Key
 
 # A worker: activates attnguard from the environment, emits what its rank would see, exits.
@@ -146,7 +147,8 @@ def test_aggregate_sums_counts_and_names_the_ranks() -> None:
 
 
 def test_every_hint_names_a_change_in_user_code() -> None:
-    assert summary.hint_for("backend_fallback", "package_missing").startswith(
+    h100 = Facts(device="cuda", capability=(9, 0), twin_calls=True)
+    assert summary.hint_for("backend_fallback", "package_missing", h100).startswith(
         'install flash-attn for this torch and GPU, or request attn_implementation="sdpa"'
     )
     assert "bfloat16" in summary.hint_for("model_cast", "flash_needs_half")

@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO
 
 from attnguard import config, plan
-from attnguard.observability import events, reasons
+from attnguard.observability import advice, events, reasons
+from attnguard.observability.advice import Facts
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 EVENT_NAMES = set(events.EVENTS)
@@ -92,7 +93,7 @@ def test_docs_reason_table_says_what_the_vocabulary_says() -> None:
         assert said == (
             ", ".join(f"`{e}`" for e in reason.events),
             reason.meaning,
-            reason.hint or "—",
+            advice.render(reason.hint) or "—",  # where it depends on facts: none recorded
         )
 
 
@@ -112,8 +113,9 @@ def test_a_hint_for_flash_and_xformers_calls_names_neither_kernel_alone() -> Non
     shared = set(by_kind.values()) - {None}
     assert shared == {"cpu_tensors"}, by_kind
     for code in shared:
-        hint = reasons.REASONS[code].hint.lower()
-        assert ("flash" in hint) == ("xformers" in hint), (code, hint)
+        for facts in (None, Facts(device="cpu"), Facts(device="cuda", capability=(9, 0))):
+            hint = advice.render(reasons.REASONS[code].hint, facts).lower()
+            assert ("flash" in hint) == ("xformers" in hint), (code, hint)
 
 
 def test_the_docs_paths_exist() -> None:

@@ -53,6 +53,11 @@ class Hardware:
             self._read()
         return self._gpus or ()
 
+    @property
+    def read_yet(self) -> bool:
+        """Whether the GPUs were read (or given): asking then reads nothing new."""
+        return self._gpus is not None
+
     def __repr__(self) -> str:
         known = "not read yet" if self._gpus is None else f"{len(self._gpus)} GPU(s)"
         return f"Hardware({known})"

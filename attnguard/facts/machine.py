@@ -179,6 +179,20 @@ def current(settings: Settings | None = None) -> Facts:
     return Facts(hardware, backends, launch=launch_now(), init=init_context_now(), **static)
 
 
+def device_read_so_far() -> dict[str, Any]:
+    """This process's device as decisions read it so far (``device``: "cuda" / "cpu",
+    ``capability`` of this rank's GPU), reading nothing new: {} where no decision needed it."""
+    machine = _machine
+    if machine is None or not machine[0].read_yet:
+        return {}
+    if not machine[0].cuda:
+        return {"device": "cpu"}
+    gpu = current().local_gpu or (machine[0].gpus[0] if machine[0].gpus else None)
+    if gpu is None:
+        return {"device": "cuda"}
+    return {"device": "cuda", "capability": f"{gpu.capability[0]}.{gpu.capability[1]}"}
+
+
 def reset() -> None:
     """Forget everything read so far (tests; after installing or removing a backend)."""
     global _machine

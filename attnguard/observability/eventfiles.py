@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .. import safefiles
+from . import workload
+from .advice import Facts
 from .events import KINDS, OBSERVATIONS
 from .report import headline, hint_for, ranks_text
 
@@ -267,6 +269,7 @@ class Record:
     kinds: dict[str, int]
     keys: list[tuple[Key, dict[str, Any] | None]] = field(default_factory=list)
     rank_procs: dict[int, str] = field(default_factory=dict)
+    facts: dict[str, Any] = field(default_factory=dict)  # a summary's: what its advice reads
 
 
 @_malformed_on_any_error
@@ -299,6 +302,7 @@ def clean_record(raw: Mapping[str, Any]) -> Record:
     )
     if event == "summary":
         rec.keys = clean_keys(raw.get("keys"), mode)
+        rec.facts = workload.clean(raw.get("facts"))
         procs = raw.get("rank_procs") or {}
         if not isinstance(procs, Mapping) or len(procs) > MAX_KEYS:
             raise Malformed("rank_procs is not an object")
@@ -324,6 +328,7 @@ class Merger:
         self.records = 0
         self.summaries = 0
         self.job_summaries = 0
+        self.facts: list[dict[str, Any]] = []  # each summary's facts (their advice reads them)
 
     @staticmethod
     def _process(rec: Record) -> tuple[Any, ...]:
@@ -357,6 +362,8 @@ class Merger:
             self._offer(self._process(rec), key, 0, rec.rank)
             return
         self.summaries += 1
+        if rec.facts and len(self.facts) < MAX_KEYS:
+            self.facts.append(rec.facts)
         if rec.site == "job":
             self.job_summaries += 1
         for key, per_rank in rec.keys:
@@ -372,6 +379,8 @@ class Merger:
                 self._offer(proc, rank_key, 1, r)
 
     def result(self) -> dict[str, Any]:
+        merged_facts = workload.merge(self.facts)
+        facts = Facts.of(merged_facts)
         rows: dict[tuple[str, Any], dict[str, Any]] = {}
         for table in self.entries.values():
             for (event, site, reason), (_grade, key, rank) in table.items():
@@ -392,7 +401,7 @@ class Merger:
         for row in sorted(rows.values(), key=lambda r: (r["event"], str(r["reason_code"]))):
             row["ranks"] = sorted(row["ranks"])
             row["sites"] = list(row["sites"])
-            row["hint"] = hint_for(row["event"], row["reason_code"])
+            row["hint"] = hint_for(row["event"], row["reason_code"], facts)
             out_rows.append(row)
         return {
             "ranks": sorted(self.ranks),
@@ -401,6 +410,7 @@ class Merger:
             **{kind: sum(r[kind] for r in out_rows) for kind in KINDS},
             "summaries": self.summaries,
             "job_summaries": self.job_summaries,
+            "facts": merged_facts,
         }
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import safefiles
-from . import events, jobdir, jobstore
+from . import events, jobdir, jobstore, workload
 from .eventfiles import Key, Malformed, clean_keys, is_process_id, parse_line
 
 _POLL_S = 0.05
@@ -29,6 +29,7 @@ class RankRecord:
 
     proc: str
     keys: list[Key] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)  # what its advice depends on (checked)
 
 
 @dataclass
@@ -45,9 +46,17 @@ class Gathered:
     store_error: str | None = None
 
 
-def record_of(rank: int, phase: str, proc: str, keys: list[dict[str, Any]]) -> bytes:
-    """A rank's record as it travels to rank 0 (``keys`` as :func:`local_fields` has them)."""
+def record_of(
+    rank: int,
+    phase: str,
+    proc: str,
+    keys: list[dict[str, Any]],
+    facts: dict[str, Any] | None = None,
+) -> bytes:
+    """A rank's record as it travels to rank 0 (``keys`` and ``facts`` as :func:`local_fields`
+    has them)."""
     record = {"v": RECORD_VERSION, "rank": rank, "proc": proc, "phase": phase, "keys": keys}
+    record["facts"] = facts or {}
     return json.dumps(record, default=str).encode()
 
 
@@ -65,7 +74,7 @@ def parse_record(data: bytes, rank: int) -> tuple[RankRecord, str]:
     if phase not in ("exit", "group_end"):
         raise Malformed("no phase")
     keys = [k for k, per_rank in clean_keys(raw.get("keys")) if per_rank is None]
-    return RankRecord(proc, keys), phase
+    return RankRecord(proc, keys, workload.clean(raw.get("facts"))), phase
 
 
 class Channels:

@@ -11,16 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .advice import (
+    Advice,
+    Facts,
+    diffusers_backend,
+    flash_kernel,
+    kernel_cannot,
+    no_gpu_kernel,
+    render,
+)
+
 
 @dataclass(frozen=True)
 class Reason:
     code: str
     events: tuple[str, ...]
     meaning: str
-    hint: str  # what to change in your own code ("" where there is nothing to change)
+    # what to change in your own code ("" where there is nothing to change): a sentence, or a
+    # function of what happened (attnguard.observability.advice)
+    hint: Advice
 
 
-_SDPA = 'request attn_implementation="sdpa"'
+_INSTALL = "install flash-attn for this torch and GPU"
 _FALLBACK = ("backend_fallback", "observed")
 
 _TABLE: tuple[Reason, ...] = (
@@ -53,38 +65,49 @@ _TABLE: tuple[Reason, ...] = (
         "package_missing",
         _FALLBACK,
         "flash attention requested, flash-attn is not installed",
-        f"install flash-attn for this torch and GPU, or {_SDPA}",
+        flash_kernel(_INSTALL),
     ),
     Reason(
         "extension_broken",
         _FALLBACK,
         "flash-attn is installed (or on the path without metadata) but fails to import",
-        "flash-attn's CUDA extension does not import (built for another torch?): reinstall it "
-        f"against this torch, or {_SDPA}",
+        flash_kernel(
+            "flash-attn's CUDA extension does not import (built for another torch?): reinstall "
+            "it against this torch"
+        ),
     ),
     Reason(
         "no_cuda",
         _FALLBACK,
         "flash attention needs a CUDA GPU and none is visible",
-        f"flash kernels need a CUDA GPU: on this machine {_SDPA}",
+        flash_kernel(
+            "run on a CUDA GPU",
+            never_here="flash kernels need a CUDA GPU and none is visible here",
+        ),
     ),
     Reason(
         "capability_too_low",
         _FALLBACK,
         "the GPU is below the kernel's compute capability (sm80 for flash-attn 2)",
-        f"flash-attn 2 needs an Ampere (sm80) or newer GPU: {_SDPA}",
+        flash_kernel(
+            "run on an Ampere (sm80) or newer GPU",
+            never_here="flash-attn 2 needs an Ampere (sm80) or newer GPU, so there is nothing to "
+            "install for this one",
+        ),
     ),
     Reason(
         "version_too_old",
         _FALLBACK,
         "flash-attn is older than the oldest version transformers accepts",
-        f"upgrade flash-attn to a version transformers accepts, or {_SDPA}",
+        flash_kernel("upgrade flash-attn to a version transformers accepts"),
     ),
     Reason(
         "probe_failed",
         _FALLBACK,
         "flash-attn imports but a tiny test call failed on this GPU",
-        f"flash-attn is installed but a tiny call failed on this GPU: {_SDPA}",
+        flash_kernel(
+            "a tiny flash-attn call failed on this GPU: reinstall flash-attn for it", on_a_gpu=True
+        ),
     ),
     Reason(
         "torch_too_old",
@@ -96,7 +119,8 @@ _TABLE: tuple[Reason, ...] = (
         "model_unsupported",
         _FALLBACK,
         "flash attention requested for a model class that does not support it",
-        f"this model class has no flash-attention support: {_SDPA}",
+        "this model class has no flash-attention support: request the backend attnguard loaded "
+        "it with (the event's selected)",
     ),
     # --- load time: a hub kernel that does not load (attnguard.facts.hub, kernels) ------------
     Reason(
@@ -105,16 +129,20 @@ _TABLE: tuple[Reason, ...] = (
         "flash attention from the Hugging Face kernel hub (an org/repo request, transformers' own "
         "fallback, a model routed to a hub kernel, a diffusers *_hub backend) needs the `kernels` "
         "package, which is not installed",
-        "install the `kernels` package at a version your transformers / diffusers accepts, or "
-        "install flash-attn for this torch and GPU",
+        flash_kernel(
+            "install the `kernels` package at a version your transformers / diffusers accepts, "
+            "or flash-attn, for this torch and GPU"
+        ),
     ),
     Reason(
         "hub_package_refused",
         _FALLBACK,
         "flash attention from the kernel hub, and the installed `kernels` package is outside the "
         "versions the library that loads it accepts (the event names both)",
-        "install a `kernels` version the library accepts (the event names the range), or "
-        "install flash-attn for this torch and GPU",
+        flash_kernel(
+            "install a `kernels` version the library accepts (the event names the range), or "
+            "flash-attn for this torch and GPU"
+        ),
     ),
     Reason(
         "hub_kernel_unavailable",
@@ -122,9 +150,10 @@ _TABLE: tuple[Reason, ...] = (
         "flash attention from the kernel hub, and the hub kernel does not load here: offline "
         "without a cached build, no build for this torch and device, or its import failed (the "
         "event names kernels' own error)",
-        "fetch the hub kernel once with network into the Hugging Face cache (or point "
-        "LOCAL_KERNELS at a copy) for this torch and device, or install flash-attn for this "
-        "torch and GPU",
+        flash_kernel(
+            "fetch the hub kernel once with network into the Hugging Face cache (or point "
+            "LOCAL_KERNELS at a copy) for this torch and GPU, or install flash-attn for them"
+        ),
     ),
     Reason(
         "flash_path_unrecognised",
@@ -132,8 +161,7 @@ _TABLE: tuple[Reason, ...] = (
         "flash attention requested where its kernel cannot run, and attnguard does not recognise "
         "how this transformers release wires its flash code path: it steps aside (the load fails "
         "as it would without attnguard) rather than compute other numbers",
-        "upgrade attnguard for this transformers release, install flash-attn for this torch and "
-        f"GPU, or {_SDPA} (transformers' sdpa path does not hold packed rows apart on every release)",
+        flash_kernel(_INSTALL, first="upgrade attnguard for this transformers release"),
     ),
     Reason(
         "flash_argument_uncomputed",
@@ -154,7 +182,7 @@ _TABLE: tuple[Reason, ...] = (
         "transformers' flash code path with attnguard's twins (its own flash code needs more of "
         "flash-attn than its kernels): attnguard steps aside, the load runs as it would without "
         "attnguard (its error is transformers' own)",
-        f"install flash-attn for this torch and GPU, or {_SDPA}",
+        flash_kernel(_INSTALL),
     ),
     Reason(
         "fallback_model_unrunnable",
@@ -163,8 +191,12 @@ _TABLE: tuple[Reason, ...] = (
         "backend attnguard chose (a part of it, such as a vision tower, does not support that "
         "backend in this transformers release): attnguard steps aside, the load runs as "
         "requested, as it would without attnguard (its error is transformers' own)",
-        "install the requested backend's package for this torch and GPU, or request a backend "
-        "every part of the model supports",
+        no_gpu_kernel(
+            "install the requested backend's package for this torch and GPU, or request a "
+            "backend every part of the model supports",
+            "request a backend every part of the model supports and this machine runs (it has "
+            "no CUDA GPU)",
+        ),
     ),
     Reason(
         "backend_package_unusable",
@@ -172,7 +204,7 @@ _TABLE: tuple[Reason, ...] = (
         "a diffusers attention backend was requested whose package diffusers cannot use here "
         "(not installed, fails to import, too old): its calls run on attnguard's twin of that "
         "package's function",
-        'install the backend\'s package for this torch, or model.set_attention_backend("native")',
+        diffusers_backend,
     ),
     Reason(
         "no_twin",
@@ -328,14 +360,17 @@ _TABLE: tuple[Reason, ...] = (
         "cpu_tensors",
         ("backend_rerouted",),
         "a CUDA-only kernel (flash-attn, xformers) got CPU tensors",
-        "this kernel runs on CUDA only: pass it tensors on the GPU, or call "
-        "torch.nn.functional.scaled_dot_product_attention with CPU tensors",
+        no_gpu_kernel(
+            "this kernel runs on CUDA only: pass it tensors on the GPU",
+            "this kernel runs on CUDA only and this machine has no GPU: attnguard's twin computes "
+            "these calls (without it: torch.nn.functional.scaled_dot_product_attention)",
+        ),
     ),
     Reason(
         "head_dim_unsupported",
         ("backend_rerouted", "kernel_error_recovered"),
         "flash-attn supports head_dim <= 256",
-        f"flash kernels take head_dim <= 256: {_SDPA}",
+        kernel_cannot("flash kernels take head_dim <= 256"),
     ),
     Reason(
         "fp32_input",
@@ -347,7 +382,7 @@ _TABLE: tuple[Reason, ...] = (
         "mask_4d",
         ("backend_rerouted",),
         "transformers' flash path got a 4D mask",
-        f"flash kernels take a 2D padding mask only: {_SDPA} for custom masks",
+        kernel_cannot("flash kernels take a 2D padding mask only, not these custom masks"),
     ),
     Reason(
         "output_attentions",
@@ -360,7 +395,7 @@ _TABLE: tuple[Reason, ...] = (
         "gpu_too_old",
         ("kernel_error_recovered", "backend_rerouted"),
         "the kernel refused this GPU",
-        f"this GPU cannot run the kernel: {_SDPA}",
+        kernel_cannot("this GPU cannot run the kernel"),
     ),
     Reason(
         "dtype_unsupported",
@@ -386,7 +421,11 @@ _TABLE: tuple[Reason, ...] = (
         "cpu_backend",
         ("kernel_error_recovered", "backend_rerouted"),
         "a CUDA-only kernel was called with CPU tensors",
-        "the kernel has no CPU implementation: run on the GPU, or use sdpa on CPU",
+        no_gpu_kernel(
+            "the kernel has no CPU implementation: run it on the GPU",
+            "the kernel has no CPU implementation and this machine has no GPU: attnguard's twin "
+            "computes these calls (without it: torch.nn.functional.scaled_dot_product_attention)",
+        ),
     ),
     Reason(
         "no_kernel_image",
@@ -437,11 +476,12 @@ def known(event: str, reason_code: str | None) -> bool:
     return event in FREE_CODE_EVENTS or reason_code is None or reason_code in REASONS
 
 
-def hint_for(event: str, reason_code: str | None) -> str:
-    """What to change in your own code so this event does not happen again."""
+def hint_for(event: str, reason_code: str | None, facts: Facts | None = None) -> str:
+    """What to change in your own code so this event does not happen again, for what happened
+    (``facts``; None: what holds on any machine)."""
     reason = REASONS.get(reason_code or "")
     if reason is not None and reason.hint:
-        return reason.hint
+        return render(reason.hint, facts)
     if event == "internal_error":
         return "report it: attnguard failed and ran your original call"
     if event == "observed":

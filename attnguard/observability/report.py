@@ -13,30 +13,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .advice import Facts
 from .events import KINDS
 
 # One hint per reason code lives in attnguard.observability.reasons (the vocabulary); codes it does not know
 # (files written by another version of attnguard) get their event's general hint.
 EVENT_HINTS: dict[str, str] = {
     "backend_fallback": "request an attention backend this machine can run (attnguard doctor)",
-    "backend_rerouted": 'this call cannot use the requested kernel: attn_implementation="sdpa"',
+    "backend_rerouted": "this call cannot use the requested kernel here (attnguard doctor says why)",
     "model_cast": "load the model in the half dtype the kernel needs (dtype=torch.bfloat16)",
     "model_placed": 'load with device_map={"": local_rank}',
     "device_map_rewritten": 'under torchrun load with device_map={"": local_rank}',
     "qkv_unified": "give q, k, v (and the bias) one dtype before the attention call",
     "tensors_aligned": "keep the module's inputs and buffers on one device",
-    "kernel_error_recovered": 'the kernel fails here: request attn_implementation="sdpa"',
+    "kernel_error_recovered": "the kernel fails here: reinstall it for this torch and GPU, or "
+    "request a backend this machine can run (attnguard doctor)",
     "plan_mismatch": "report it (attnguard's plan and the loaded model disagree)",
     "internal_error": "report it: attnguard failed and ran your original call",
     "observed": "nothing to change (attnguard only looked)",
 }
 
 
-def hint_for(event: str, reason_code: str | None) -> str:
-    """What to change in your own code so this event does not happen again."""
+def hint_for(event: str, reason_code: str | None, facts: Facts | None = None) -> str:
+    """What to change in your own code so this event does not happen again, for what happened
+    (``facts``: :mod:`attnguard.observability.advice`; None: what holds on any machine)."""
     from .reasons import hint_for as vocabulary_hint
 
-    return vocabulary_hint(event, reason_code) or EVENT_HINTS.get(event, "")
+    return vocabulary_hint(event, reason_code, facts) or EVENT_HINTS.get(event, "")
 
 
 def kinds_of(tally: Mapping[str, Any] | None) -> dict[str, int]:
@@ -49,10 +52,10 @@ def kinds_of(tally: Mapping[str, Any] | None) -> dict[str, int]:
     return out
 
 
-def advice(keys: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def advice(keys: Iterable[Mapping[str, Any]], facts: Facts | None = None) -> list[dict[str, Any]]:
     """What was changed (or would have been), how often, why, and what to change in your own
-    code: one row per (event, reason_code), from summary ``keys``; observations without a
-    change are left out."""
+    code (for what happened: ``facts``): one row per (event, reason_code), from summary
+    ``keys``; observations without a change are left out."""
     rows: dict[tuple[str, Any], dict[str, Any]] = {}
     for k in keys:
         event = k.get("event")
@@ -70,7 +73,7 @@ def advice(keys: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     for row in sorted(
         rows.values(), key=lambda r: (-r["count"], r["event"], str(r["reason_code"]))
     ):
-        row["hint"] = hint_for(row["event"], row["reason_code"])
+        row["hint"] = hint_for(row["event"], row["reason_code"], facts)
         out.append(row)
     return out
 

@@ -51,7 +51,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, jobdir, jobstore
+from . import events, jobdir, jobstore, workload
+from .advice import Facts
 from .eventfiles import clean_keys
 from .events import KINDS
 from .gather import Channels, Gathered, RankRecord, gather, record_of
@@ -78,8 +79,10 @@ GATHER_TIMEOUT_S = 10.0
 
 def local_fields() -> dict[str, Any]:
     """``events.summary_fields()`` plus ``keys``: one entry per (event, site, reason_code) with
-    its count and how many of those were applied / would_have / observed / internal_errors."""
+    its count and how many of those were applied / would_have / observed / internal_errors, and
+    ``facts``: what the advice depends on (:mod:`attnguard.observability.workload`)."""
     fields = events.summary_fields()
+    fields["facts"] = workload.snapshot()
     kinds = events.kind_counts()
     fields["keys"] = [
         {"event": e, "site": s, "reason_code": r, "count": n, **kinds_of(kinds.get((e, s, r)))}
@@ -106,6 +109,7 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
         "per_rank": {},
         "rank_procs": {},
         "keys": [],
+        "facts": workload.merge(record.facts for record in per_rank.values()),
     }
     keys: dict[tuple[str, Any, Any], dict[str, Any]] = {}
     sites: dict[str, dict[str, None]] = {}
@@ -160,7 +164,7 @@ def _emit_local(note: str | None = None, console: bool = True) -> None:
     fields = local_fields()
     if events.is_helper() and not (fields["applied"] or fields["would_have"]):
         return  # a helper that changed nothing stays silent
-    rows = advice(fields["keys"])
+    rows = advice(fields["keys"], Facts.of(fields["facts"]))
     head = headline(fields, "in this process")
     if note:
         head += f" ({note})"
@@ -205,7 +209,7 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
         head += f"; {got.store_error}"
     if got.ignored:
         head += f"; {len(got.ignored)} rank record(s) ignored: {'; '.join(got.ignored[:3])}"
-    rows = advice(fields["keys"])
+    rows = advice(fields["keys"], Facts.of(fields["facts"]))
     events.emit(
         "summary",
         site="job",
@@ -327,7 +331,8 @@ def _has_events() -> bool:
 def _record(rank: int, phase: str = "exit") -> bytes:
     """This rank's record: its process id and keys, posted at ``phase`` ("exit", or "group_end"
     when it destroys its process group)."""
-    return record_of(rank, phase, events.process_id(), local_fields()["keys"])
+    fields = local_fields()
+    return record_of(rank, phase, events.process_id(), fields["keys"], fields["facts"])
 
 
 def emit_exit_summary(timeout_s: float | None = None) -> None:
@@ -375,7 +380,10 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
     channels = Channels(store, directory)
     got = Gathered({}, "")
     try:
-        own = RankRecord(events.process_id(), [k for k, _ in clean_keys(local_fields()["keys"])])
+        mine = local_fields()
+        own = RankRecord(
+            events.process_id(), [k for k, _ in clean_keys(mine["keys"])], mine["facts"]
+        )
         got = gather(world, own, channels, timeout)
     finally:
         channels.clean_up(list(got.records))

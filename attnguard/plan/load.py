@@ -8,10 +8,10 @@ from typing import Any
 from ..config import Settings
 from ..facts import Facts
 from .backend import plan_backend_into, real_flash, requested_flash
-from .draft import Draft, disabled, finish
+from .draft import Draft, disabled, finish, targets
 from .dtype import plan_dtype_into
 from .placement import device_map_decision, lands_on_gpu, plan_placement_into
-from .request import Action, LoadRequest, Plan
+from .request import Action, LoadRequest, Plan, is_flash
 from .table import DEVICE_MAP
 
 
@@ -20,7 +20,10 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
     draft = Draft()
     plan_backend_into(request, facts, settings, draft)  # 1. backend
     flash = requested_flash(request)
-    new_device = plan_placement_into(request, facts, settings, draft, flash)  # 2. placement
+    # 2. placement: for a flash request that stays on flash's code path; one the load switches
+    # to another backend (sdpa, eager) runs where its caller puts it
+    kept = kept_flash(request, draft)
+    new_device = plan_placement_into(request, facts, settings, draft, kept)
     on_gpu = new_device is not None or lands_on_gpu(request, facts)
     real = real_flash(request, facts, draft)
     new_dtype = plan_dtype_into(  # 3. dtype
@@ -58,6 +61,18 @@ def plan_load(request: LoadRequest, facts: Facts, settings: Settings) -> Plan:
         device=new_device,
         device_map=new_map,
         max_memory=new_max,
+    )
+
+
+def kept_flash(request: LoadRequest, draft: Draft) -> list[str]:
+    """The flash requests that stay on flash's code path after step 1 (their kernel, or
+    attnguard's twins of it), not those switched to another backend."""
+    return sorted(
+        {
+            want
+            for target, want in targets(request.attn_implementation)
+            if is_flash(want) and is_flash(draft.new_attn.get(target, want))
+        }
     )
 
 

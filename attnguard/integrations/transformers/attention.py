@@ -23,7 +23,7 @@ from ...fallback.registry import all_sdpa_backends, flash_call_on_sdpa
 from ...kernels import EntryKind
 from ...observability import events
 from ..ledger import Ledger
-from . import arguments
+from . import arguments, twin_calls
 from .interface import registry_mapping
 
 # the registry's dict entries and AttentionInterface.register
@@ -136,6 +136,11 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
     lat = callguard.latched
     flash = entry.kind == EntryKind.REGISTRY_FLASH
     twin_arguments, aside_for = arguments.TWIN_ARGUMENTS, arguments.TWIN_ASIDE
+    watch, compiling, note_call = (
+        twin_calls.WATCH,
+        twin_calls._is_compiling,
+        twin_calls.note_registry_call,
+    )
 
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         if len(args) < 4:
@@ -152,6 +157,8 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
             return True
         if flash:
             known = twin_arguments.get(name) if twin_arguments else None
+            if known is not None and watch[0] and not compiling():
+                note_call(mask, kwargs)  # what reaches the twins (the exit summary's advice)
             if known is not None and not known.issuperset(kwargs):
                 aside = aside_for.get(type(args[0]))
                 if aside is None:  # not judged yet: the slow path judges (never in a trace)

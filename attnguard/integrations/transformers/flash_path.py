@@ -31,6 +31,7 @@ from typing import Any
 
 from ... import runtime
 from ..ledger import Ledger
+from . import twin_calls
 from . import wiring as transformers_wiring
 from .wiring import FUNC, GLOBALS, INDEX, IS_FA3, KVCACHE, PAD, UNPAD, VARLEN, Unrecognised, Wiring
 
@@ -164,7 +165,11 @@ def _twins() -> dict[str, Callable[..., Any] | None]:
     from ... import fallback
 
     roles = (FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX)
-    return {role: getattr(fallback, role, None) for role in roles}
+    twins = {role: getattr(fallback, role, None) for role in roles}
+    varlen = twins[VARLEN]
+    if varlen is not None:  # noting packed rows for the exit summary's advice
+        twins[VARLEN] = twin_calls.recording_varlen(varlen)
+    return twins
 
 
 _announced: set[str] = set()
@@ -394,6 +399,11 @@ def swapped_kernels(kernels: dict[str, Any]) -> Iterator[None]:
     module, wired = _state.module, _state.wiring
     if module is None or wired is None:
         raise Unrecognised("the flash path is not patched")
+    with twin_calls.unwatched():
+        yield from _swapped(module, wired, kernels)
+
+
+def _swapped(module: ModuleType, wired: Wiring, kernels: dict[str, Any]) -> Iterator[None]:
     if wired.layout != GLOBALS:
         cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
         _state.override.kernels = {**_kernels_for(module), **kernels}
@@ -470,6 +480,7 @@ def unpatch() -> None:
     ledger.unpatch_all()
     arguments.unpatch()
     _announced.clear()
+    twin_calls.reset()
     arguments.TWIN_ARGUMENTS.clear()
     arguments.TWIN_ASIDE.clear()
     with _state.lock:
