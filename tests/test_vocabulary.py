@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import REPO
 
-from attnguard import config, plan
+from attnguard import config, kernels, plan
 from attnguard.observability import advice, events, reasons
 from attnguard.observability.advice import Facts
 
@@ -59,7 +59,7 @@ def test_the_docs_name_things_at_all() -> None:
     [
         ("event", EVENT_NAMES),
         ("reason_code", CODES | {"ValueError", "TypeError", "RuntimeError"}),
-        ("rule", {r.id for r in plan.TABLE}),
+        ("rule", {r.id for r in plan.TABLE} | {r[0] for r in kernels.HUB_RULES}),
         ("setting", SETTINGS),
     ],
 )
