@@ -312,6 +312,40 @@ def test_mixed_qkv_dtypes_from_a_custom_processor_are_unified(
     ]
 
 
+@pytest.mark.parametrize("backend", ["flash", "flash_varlen"])
+def test_a_call_straight_into_an_unusable_backend_runs_on_the_twin(
+    backend: str, captured: list[dict[str, Any]]
+) -> None:
+    """``dispatch_attention_fn(..., backend=...)`` from a custom processor: diffusers never checks
+    the backend (no ``set_attention_backend``), the call meets the missing kernel. Guarded, the
+    backend goes on the twins as ``set_attention_backend`` would have put it, and the mixed
+    dtypes are unified for a call that then succeeds: each event says a change that happened."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        ad.dispatch_attention_fn(q.bfloat16(), k, v, backend=backend)
+    attnguard.activate(log="none")
+    out = ad.dispatch_attention_fn(q.bfloat16(), k, v, backend=backend)
+    want = ad.dispatch_attention_fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="native")
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert [(e["event"], e["site"], e["reason_code"], e["applied"]) for e in captured[1:]] == [
+        ("backend_fallback", f"diffusers.{backend}", "backend_package_unusable", True),
+        ("qkv_unified", f"diffusers.{backend}", "mixed_dtypes", True),
+    ]
+    assert "diffusers did not check it" in captured[1]["reason"]
+
+
+def test_a_call_straight_into_an_unusable_backend_in_warn_mode_announces_no_change(
+    captured: list[dict[str, Any]],
+) -> None:
+    q, k, v = _qkv()
+    attnguard.activate(log="none", mode="warn")
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        ad.dispatch_attention_fn(q.bfloat16(), k, v, backend="flash")
+    assert ad.flash_attn_func is None
+    # what would have changed (the backend on the twins), and no unification of a call that fails
+    assert [(e["event"], e["applied"]) for e in captured[1:]] == [("backend_fallback", False)]
+
+
 def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
     captured: list[dict[str, Any]],
 ) -> None:

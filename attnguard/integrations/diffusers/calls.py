@@ -30,8 +30,9 @@ import torch
 
 from ... import callguard, runtime
 from ...kernels import EntryKind
+from ...observability import events
 from . import shape
-from .backends import ledger, site
+from .backends import ledger, serve, site
 from .twins import every_sdpa_kernel, sdpa_unforced
 
 Tensor = torch.Tensor
@@ -44,10 +45,12 @@ def patch(module: ModuleType) -> None:
     held = shape.registry(module)._backends
     for name, key in shape.backends(module).items():
         if name in shape.GUARDED and shape.takes_qkv(held[key]):
-            ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original))
+            ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original, module))
 
 
-def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap(
+    name: str, original: Callable[..., Any], module: ModuleType | None = None
+) -> Callable[..., Any]:
     """The guarded entry for backend ``name`` (signature and name preserved)."""
     if getattr(original, "__attnguard_original__", None) is not None:
         return original
@@ -68,6 +71,8 @@ def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         in_force=runtime.IN_FORCE,
     )
     guarded = callguard.guard(entry, _check(where))
+    if name in shape.TWINNED and module is not None:
+        return _served_first(module, name, original, guarded)
     if name not in _TWO_PATHS:
         return guarded
 
@@ -79,6 +84,43 @@ def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper = functools.wraps(original)(attnguard_attention)
     wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _served_first(
+    module: ModuleType, name: str, original: Callable[..., Any], guarded: Callable[..., Any]
+) -> Callable[..., Any]:
+    """A call straight into a backend diffusers never checked (``dispatch_attention_fn(...,
+    backend=name)``, the registry's function itself) whose package it cannot use: the backend
+    goes on the twins first, as ``set_attention_backend`` would have put it (one
+    ``backend_fallback``). Where it does not (warn mode, no twin), diffusers' own call runs
+    untouched, its error included: no remedy of the per-call guard helps a backend without its
+    kernel, and none is announced."""
+    kernel = shape.TWINNED[name].kernels[0]
+
+    def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
+        if getattr(module, kernel, None) is None and not _serve_unchecked(module, name):
+            return original(*args, **kwargs)
+        return guarded(*args, **kwargs)
+
+    wrapper = functools.wraps(original)(attnguard_attention)
+    wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _serve_unchecked(module: ModuleType, name: str) -> bool:
+    """True when backend ``name`` now runs on the twins (:func:`.backends.serve`)."""
+    if events.is_compiling():
+        return False
+    check = module._check_attention_backend_requirements
+    check = getattr(check, "__attnguard_original__", check)
+    try:
+        check(shape.backends(module)[name])
+    except RuntimeError as err:
+        how = " (named by the call; diffusers did not check it)"
+        return serve(module, name, err, how=how)
+    except Exception:
+        return False
+    return False
 
 
 def _check(where: str) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
