@@ -1,18 +1,25 @@
 """diffusers and xformers: what diffusers hands xformers (its ``xformers`` backend's grouped-query
-calls with a mask).
+calls with a mask), and ``enable_xformers_memory_efficient_attention()`` where xformers is not
+installed.
 
-Here xformers is the PyPI wheel whose ops do not run on a CPU.
+Here xformers is the PyPI wheel whose ops do not run on a CPU (in this process), or absent (child
+processes with ``sys.modules["xformers"] = None``: ``import xformers`` fails and diffusers'
+``is_xformers_available()`` is False, as on a machine without it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import diffusers_dispatch
+from conftest import PY, REPO, diffusers_dispatch, subprocess_env
 
 import attnguard
 from attnguard import callguard
@@ -20,6 +27,8 @@ from attnguard.fallback import xformers_memory_efficient_attention
 from attnguard.observability import events
 
 ad = diffusers_dispatch()  # or the module skips, saying why diffusers is not here
+
+WORKERS = Path(__file__).resolve().parent / "workers"
 
 
 @pytest.fixture(autouse=True)
@@ -94,3 +103,150 @@ def test_xformers_backend_gqa_with_a_mask_computes_natives_numbers(
     assert [(e["event"], e["reason_code"]) for e in captured[1:]] == [
         ("backend_rerouted", "cpu_tensors")
     ]
+
+
+# --- enable_xformers_memory_efficient_attention() without xformers -------------------------------
+
+# A user's program on a machine with CUDA and without xformers, played on this CPU: xformers hidden,
+# and for the enable call only torch says CUDA is there (diffusers' probe tensor stays on the CPU).
+# The model then runs on the CPU, where diffusers' xformers processors call what
+# ``xformers.ops.memory_efficient_attention`` is in their module.
+_SIMULATED_CUDA = r"""
+import json, logging, sys
+sys.modules["xformers"] = None  # not installed
+logging.disable(logging.WARNING)
+guard = sys.argv[2] == "guard"
+if guard:
+    import attnguard
+    from attnguard.observability import events
+sys.path.insert(0, sys.argv[3])
+import torch
+import diffusers_worker as dw
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.utils import is_xformers_available
+
+build, make_inputs = dw.MODELS[sys.argv[1]]
+model, inputs = build(), make_inputs()
+out = {"error": None, "events": []}
+with (events.capture() if guard else __import__("contextlib").nullcontext([])) as got:
+    native = dw.run(model, inputs)
+    available, randn = torch.cuda.is_available, torch.randn
+    torch.cuda.is_available = lambda: True
+    torch.randn = lambda *a, device=None, **k: randn(*a, **k)
+    try:
+        model.enable_xformers_memory_efficient_attention()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+    finally:
+        torch.cuda.is_available, torch.randn = available, randn
+    if out["error"] is None:
+        out["max_diff"] = (dw.run(model, inputs) - native).abs().max().item()
+        out["processors"] = sorted({type(p).__name__ for p in model.attn_processors.values()})
+        out["backends"] = sorted({
+            str(getattr(m.processor._attention_backend, "value", None))
+            for m in model.modules() if isinstance(m, AttentionModuleMixin)
+        })
+out["events"] = [(e["event"], e["site"], e["reason_code"], e.get("applied")) for e in got
+                 if e["event"] not in ("activated", "summary")]
+try:
+    import xformers  # noqa: F401
+    out["import_xformers"] = "imported"
+except ImportError as exc:
+    out["import_xformers"] = type(exc).__name__
+out["is_xformers_available"] = is_xformers_available()
+print(json.dumps(out))
+"""
+
+
+def _simulated_cuda(model: str, guard: bool) -> dict[str, Any]:
+    env = subprocess_env(ATTNGUARD_LOG="none")
+    res = subprocess.run(
+        [PY, "-c", _SIMULATED_CUDA, model, "guard" if guard else "none", str(WORKERS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model", ["unet", "flux"])
+def test_enable_xformers_without_xformers_on_a_cuda_machine_runs_on_the_twin(model: str) -> None:
+    """unet: the classic processors (``XFormersAttnProcessor`` calling ``xformers.ops``); flux:
+    attention modules of the dispatcher, switched to its ``xformers`` backend."""
+    unguarded = _simulated_cuda(model, guard=False)
+    assert unguarded["error"].startswith("ModuleNotFoundError: Refer to"), unguarded
+    guarded = _simulated_cuda(model, guard=True)
+    assert guarded["error"] is None, guarded
+    assert guarded["max_diff"] <= 2e-6  # the twin computes what native's SDPA does, on a CPU
+    if model == "unet":
+        assert "XFormersAttnProcessor" in guarded["processors"]
+        fallback = ["backend_fallback", "diffusers.xformers_processors", "xformers_missing", True]
+    else:
+        assert guarded["backends"] == ["xformers"]
+        fallback = ["backend_fallback", "diffusers.xformers", "backend_package_unusable", True]
+    assert guarded["events"] == [fallback]  # one event for the model's every attention module
+    # only diffusers' call saw xformers: the program still cannot import it, nor diffusers
+    assert guarded["import_xformers"] == "ModuleNotFoundError"
+    assert guarded["is_xformers_available"] is False
+
+
+def test_enable_xformers_without_xformers_in_warn_mode_changes_nothing() -> None:
+    env = subprocess_env(ATTNGUARD_LOG="none", ATTNGUARD_MODE="warn")
+    res = subprocess.run(
+        [PY, "-c", _SIMULATED_CUDA, "unet", "guard", str(WORKERS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["error"].startswith("ModuleNotFoundError: Refer to"), out
+    assert out["events"] == [
+        ["backend_fallback", "diffusers.xformers_processors", "xformers_missing", False]
+    ]
+
+
+def _worker(*args: str) -> dict[str, Any]:
+    env = subprocess_env(ATTNGUARD_LOG="none")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    res = subprocess.run(
+        [PY, str(WORKERS / "diffusers_worker.py"), "--hide-xformers", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine without CUDA")
+@pytest.mark.parametrize("model", ["unet", "flux"])
+def test_enable_xformers_without_xformers_or_cuda_keeps_diffusers_error_with_one_event(
+    model: str,
+) -> None:
+    """diffusers refuses xformers without CUDA even where it is installed: its error stands (a
+    script catching ModuleNotFoundError keeps working), and one event says why."""
+    unguarded = _worker("--model", model, "--how", "xformers")
+    assert unguarded["error"].startswith("ModuleNotFoundError: Refer to"), unguarded
+    guarded = _worker("--model", model, "--how", "xformers", "--guard", "import")
+    assert guarded["error"] == unguarded["error"]
+    assert [(e["event"], e["site"], e["reason_code"]) for e in guarded["events"]] == [
+        ("observed", "diffusers.xformers_processors", "xformers_missing")
+    ]
+    assert "no CUDA GPU" in guarded["events"][0]["reason"]
+
+
+def test_deactivate_restores_the_classic_method() -> None:
+    from diffusers.models import attention, attention_processor
+
+    classic = attention_processor.Attention.set_use_memory_efficient_attention_xformers
+    mixin = attention.AttentionModuleMixin.set_use_memory_efficient_attention_xformers
+    attnguard.activate(log="none")
+    assert attention_processor.Attention.set_use_memory_efficient_attention_xformers is not classic
+    assert attention.AttentionModuleMixin.set_use_memory_efficient_attention_xformers is not mixin
+    attnguard.deactivate()
+    assert attention_processor.Attention.set_use_memory_efficient_attention_xformers is classic
+    assert attention.AttentionModuleMixin.set_use_memory_efficient_attention_xformers is mixin
