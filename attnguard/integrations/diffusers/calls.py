@@ -71,7 +71,7 @@ def wrap(
         in_force=runtime.IN_FORCE,
     )
     guarded = callguard.guard(entry, _check(where))
-    if name in shape.TWINNED and module is not None:
+    if name in shape.TWINNED and module is not None and _unusable(module, name):
         return _served_first(module, name, original, guarded)
     if name not in _TWO_PATHS:
         return guarded
@@ -95,16 +95,21 @@ def _served_first(
     ``backend_fallback``). Where it does not (warn mode, no twin), diffusers' own call runs
     untouched, its error included: no remedy of the per-call guard helps a backend without its
     kernel, and none is announced."""
-    kernel = shape.TWINNED[name].kernels[0]
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
-        if getattr(module, kernel, None) is None and not _serve_unchecked(module, name):
+        if _unusable(module, name) and not _serve_unchecked(module, name):
             return original(*args, **kwargs)
         return guarded(*args, **kwargs)
 
     wrapper = functools.wraps(original)(attnguard_attention)
     wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _unusable(module: ModuleType, name: str) -> bool:
+    """diffusers bound no kernel for backend ``name`` at import: its package cannot be used here
+    (the layer of :func:`_served_first` costs nothing where the kernel is installed)."""
+    return getattr(module, shape.TWINNED[name].kernels[0], None) is None
 
 
 def _serve_unchecked(module: ModuleType, name: str) -> bool:
