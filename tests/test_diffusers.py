@@ -377,6 +377,39 @@ def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
     assert str(guarded.value) == str(unguarded.value)
 
 
+@pytest.mark.parametrize("backend", ["_native_cudnn", "_native_efficient"])
+def test_a_call_sdpa_refuses_under_every_kernel_keeps_its_own_error_and_says_nothing(
+    backend: str, captured: list[dict[str, Any]]
+) -> None:
+    """A forced SDPA backend on a CPU answers every call "No viable backend", a call SDPA
+    refuses anyway (k/v with fewer heads and no ``enable_gqa``; mixed dtypes on top) included:
+    the twin (SDPA free to choose) refuses it too. That is the call's own error, not
+    attnguard's: the same error as unguarded and no event, on the site's first call and once
+    the site goes straight to the twin."""
+    q, k, v = _qkv(h=4, hk=2)
+    mask = torch.zeros(2, 1, 12, 12)
+    bad = [(q, k, v, mask), (q.bfloat16(), k, v, mask)]
+    unguarded = []
+    for args in bad:
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        unguarded.append(str(err.value))
+    attnguard.activate(log="none")
+    for args, message in zip(bad, unguarded, strict=True):  # the site's first calls
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        assert str(err.value) == message
+    assert names(captured) == []
+    good = ad.dispatch_attention_fn(*_qkv(), backend=backend)  # recovered: the site latched
+    torch.testing.assert_close(good, ad.dispatch_attention_fn(*_qkv(), backend="native"))
+    assert names(captured) == ["kernel_error_recovered"]
+    for args, message in zip(bad, unguarded, strict=True):  # straight to the twin now
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        assert str(err.value) == message
+    assert names(captured) == ["kernel_error_recovered"]  # no reroute, no internal_error
+
+
 # --- xformers installed, its ops unusable here -------------------------------------------------
 
 

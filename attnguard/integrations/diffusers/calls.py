@@ -12,7 +12,9 @@ Nothing wrong -> diffusers' own function runs untouched. Something wrong -> the 
   then on (``kernel_error_recovered``, then ``backend_rerouted``): for ``native``, its own function
   with every SDPA kernel allowed (after a caller's narrower ``sdpa_kernel`` context); for a backend
   forced to one SDPA kernel (``_native_flash``, ``_native_cudnn``, ...), the same SDPA call with
-  SDPA free to choose (:func:`.twins.sdpa_unforced`). Calls of ``_native_cudnn`` /
+  SDPA free to choose (:func:`.twins.sdpa_unforced`). A call SDPA refuses with every kernel
+  allowed (a mask that does not fit, k/v heads without ``enable_gqa``) keeps its own error and
+  nothing is announced: no kernel would compute it. Calls of ``_native_cudnn`` /
   ``_native_flash`` that ask for the LSE or run context-parallel take diffusers' other code path,
   which no twin computes: they run as diffusers makes them, errors included;
 * flash / xformers backends: dtypes and devices only; their kernels are guarded where they are
@@ -69,6 +71,9 @@ def wrap(
         mask="attn_mask",
         site=where,
         in_force=runtime.IN_FORCE,
+        # the twins are SDPA's own call without the kernel restriction: SDPA refusing a call
+        # under every kernel is the call's own error, not attnguard's
+        same_call_twin=twin is not None,
     )
     guarded = callguard.guard(entry, _check(where))
     if name in shape.TWINNED and module is not None and _unusable(module, name):
