@@ -312,6 +312,40 @@ def test_mixed_qkv_dtypes_from_a_custom_processor_are_unified(
     ]
 
 
+@pytest.mark.parametrize("backend", ["flash", "flash_varlen"])
+def test_a_call_straight_into_an_unusable_backend_runs_on_the_twin(
+    backend: str, captured: list[dict[str, Any]]
+) -> None:
+    """``dispatch_attention_fn(..., backend=...)`` from a custom processor: diffusers never checks
+    the backend (no ``set_attention_backend``), the call meets the missing kernel. Guarded, the
+    backend goes on the twins as ``set_attention_backend`` would have put it, and the mixed
+    dtypes are unified for a call that then succeeds: each event says a change that happened."""
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        ad.dispatch_attention_fn(q.bfloat16(), k, v, backend=backend)
+    attnguard.activate(log="none")
+    out = ad.dispatch_attention_fn(q.bfloat16(), k, v, backend=backend)
+    want = ad.dispatch_attention_fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), backend="native")
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert [(e["event"], e["site"], e["reason_code"], e["applied"]) for e in captured[1:]] == [
+        ("backend_fallback", f"diffusers.{backend}", "backend_package_unusable", True),
+        ("qkv_unified", f"diffusers.{backend}", "mixed_dtypes", True),
+    ]
+    assert "diffusers did not check it" in captured[1]["reason"]
+
+
+def test_a_call_straight_into_an_unusable_backend_in_warn_mode_announces_no_change(
+    captured: list[dict[str, Any]],
+) -> None:
+    q, k, v = _qkv()
+    attnguard.activate(log="none", mode="warn")
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        ad.dispatch_attention_fn(q.bfloat16(), k, v, backend="flash")
+    assert ad.flash_attn_func is None
+    # what would have changed (the backend on the twins), and no unification of a call that fails
+    assert [(e["event"], e["applied"]) for e in captured[1:]] == [("backend_fallback", False)]
+
+
 def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
     captured: list[dict[str, Any]],
 ) -> None:
@@ -341,6 +375,39 @@ def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
     with pytest.raises(type(unguarded.value)) as guarded:
         ad.dispatch_attention_fn(q, k, v, attention_kwargs=lse, backend="_native_cudnn")
     assert str(guarded.value) == str(unguarded.value)
+
+
+@pytest.mark.parametrize("backend", ["_native_cudnn", "_native_efficient"])
+def test_a_call_sdpa_refuses_under_every_kernel_keeps_its_own_error_and_says_nothing(
+    backend: str, captured: list[dict[str, Any]]
+) -> None:
+    """A forced SDPA backend on a CPU answers every call "No viable backend", a call SDPA
+    refuses anyway (k/v with fewer heads and no ``enable_gqa``; mixed dtypes on top) included:
+    the twin (SDPA free to choose) refuses it too. That is the call's own error, not
+    attnguard's: the same error as unguarded and no event, on the site's first call and once
+    the site goes straight to the twin."""
+    q, k, v = _qkv(h=4, hk=2)
+    mask = torch.zeros(2, 1, 12, 12)
+    bad = [(q, k, v, mask), (q.bfloat16(), k, v, mask)]
+    unguarded = []
+    for args in bad:
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        unguarded.append(str(err.value))
+    attnguard.activate(log="none")
+    for args, message in zip(bad, unguarded, strict=True):  # the site's first calls
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        assert str(err.value) == message
+    assert names(captured) == []
+    good = ad.dispatch_attention_fn(*_qkv(), backend=backend)  # recovered: the site latched
+    torch.testing.assert_close(good, ad.dispatch_attention_fn(*_qkv(), backend="native"))
+    assert names(captured) == ["kernel_error_recovered"]
+    for args, message in zip(bad, unguarded, strict=True):  # straight to the twin now
+        with pytest.raises(RuntimeError) as err:
+            ad.dispatch_attention_fn(*args, backend=backend)
+        assert str(err.value) == message
+    assert names(captured) == ["kernel_error_recovered"]  # no reroute, no internal_error
 
 
 # --- xformers installed, its ops unusable here -------------------------------------------------

@@ -107,10 +107,15 @@ def test_backend_chosen_by_diffusers_attn_backend() -> None:
     assert "DIFFUSERS_ATTN_BACKEND" in guarded["events"][0]["reason"]
 
 
-def test_xformers_backend_without_xformers() -> None:
-    unguarded = _worker("--backend", "xformers", xformers=False)
+@pytest.mark.parametrize("model", ["flux", "acestep"])
+def test_xformers_backend_without_xformers(model: str) -> None:
+    """acestep: grouped-query attention (``enable_gqa``) with the 4D mask diffusers builds for
+    its sliding-window layers: xformers' grouped layout with a bias for every query head."""
+    unguarded = _worker("--backend", "xformers", "--model", model, xformers=False)
     assert unguarded["error"].startswith("RuntimeError: Xformers Attention backend 'xformers'")
-    guarded = _worker("--backend", "xformers", "--guard", "import", xformers=False)
+    guarded = _worker(
+        "--backend", "xformers", "--model", model, "--guard", "import", xformers=False
+    )
     assert guarded["error"] is None and guarded["max_diff"] <= 1e-6, guarded
     assert _events(guarded) == [
         ("backend_fallback", "diffusers.xformers", "backend_package_unusable")

@@ -14,7 +14,9 @@ entry point (:func:`_remedy_call`), where the remedies live, in this order:
   (``backend_rerouted``, counted per call; the reasons are :mod:`attnguard.kernels`'s);
 * ``recover``: a known, recoverable kernel error -> the same call re-run once on the twin, and the
   site's later calls sent straight there (``kernel_error_recovered``, then ``backend_rerouted``).
-  Unknown errors propagate untouched.
+  Unknown errors propagate untouched. An entry whose twin is the library's own call less the
+  kernel's restriction (``Entry.same_call_twin``: diffusers' SDPA backends) tries the twin before
+  announcing anything: a call the twin refuses is the caller's own, which runs as made.
 
 Which kernel computes a call, and why, is decided in :mod:`attnguard.kernels`; this module only
 applies it. Modes: fix applies remedies; warn emits the same events with ``applied=False`` and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Hashable
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -43,9 +44,34 @@ _REMEDY_TEXT = {
 }
 
 
+# events of a call still being remedied, said only once it succeeds (:func:`hold_notes`)
+_held: ContextVar[list[tuple[str, str, str, str, dict[str, Any]]] | None] = ContextVar(
+    "attnguard_held_notes", default=None
+)
+
+
+def hold_notes() -> Token[Any]:
+    """From now on in this context, :func:`note` keeps events back until
+    :func:`release_notes`."""
+    return _held.set([])
+
+
+def release_notes(token: Token[Any], *, say: bool) -> None:
+    """Stop keeping events back: emit the kept ones (``say``: the call they describe
+    succeeded) or drop them (it did not, and its own answer stands)."""
+    kept = _held.get() or []
+    _held.reset(token)
+    for event, site, reason_code, reason, fields in kept if say else ():
+        note(event, site, reason_code, reason, **fields)
+
+
 def note(event: str, site: str, reason_code: str, reason: str, **fields: Any) -> None:
     """Emit (or count) an event, except inside a torch.compile trace (no side effects there)."""
     if events.is_compiling():
+        return
+    kept = _held.get()
+    if kept is not None:
+        kept.append((event, site, reason_code, reason, fields))
         return
     try:
         events.emit(event, site=site, reason_code=reason_code, reason=reason, **fields)
@@ -102,8 +128,11 @@ class Entry:
     head dimension sits in the query), ``site_for(args)`` (the event site of a call, where
     ``site`` is per call rather than fixed), ``uncomputed(entry, site, args, kwargs)`` (the
     error a call that passes something the twin does not compute meets without attnguard, or
-    None) and ``left_alone(entry, args)`` (said when the kernel's own error is not one the guard
-    recovers from).
+    None), ``left_alone(entry, args)`` (said when the kernel's own error is not one the guard
+    recovers from) and ``same_call_twin`` (the twin is the library's own call less the kernel's
+    restriction, as SDPA free to choose its kernel for a backend forced to one: an error it
+    raises is the call's own, its inputs refused under every kernel, so the kernel's own error
+    stands and no change is announced).
     """
 
     __slots__ = (
@@ -116,6 +145,7 @@ class Entry:
         "name",
         "original",
         "params",
+        "same_call_twin",
         "site",
         "site_for_call",
         "slots",
@@ -141,6 +171,7 @@ class Entry:
         site_for: Callable[[tuple[Any, ...]], str] | None = None,
         uncomputed: Callable[..., BaseException | None] | None = None,
         left_alone: Callable[[Entry, tuple[Any, ...]], None] | None = None,
+        same_call_twin: bool = False,
     ) -> None:
         self.name = name
         self.kind = kind
@@ -155,6 +186,7 @@ class Entry:
         self.head_axis = head_axis
         self.uncomputed = uncomputed
         self.left_alone = left_alone
+        self.same_call_twin = same_call_twin
         try:
             sig = inspect.signature(original)
         except (TypeError, ValueError):

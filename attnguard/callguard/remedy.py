@@ -18,10 +18,47 @@ from ..kernels import (
     Kernel,
     classify_kernel_error,
 )
-from .entry import Entry, GuardedCall, Tensor, decide, latch, latched, mask_dtype_ok
+from .entry import (
+    Entry,
+    GuardedCall,
+    Tensor,
+    decide,
+    hold_notes,
+    latch,
+    latched,
+    mask_dtype_ok,
+    release_notes,
+)
+
+
+class _Refused(Exception):
+    """A same-call twin refused the call (:attr:`Entry.same_call_twin`)."""
 
 
 def remedy_call(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
+    if not (entry.same_call_twin and entry.in_force.settings.changes_things):
+        return _remedy(call_fn, args, kwargs, entry)
+    # A same-call twin's entry: the library itself judges the call. Its events are said once
+    # the remedied call succeeds; where the library refuses it (under every kernel), the
+    # caller's own call runs as made and its answer stands, with nothing announced.
+    token = hold_notes()
+    try:
+        out = _remedy(call_fn, args, kwargs, entry)
+    except AttnGuardError:
+        release_notes(token, say=False)
+        raise
+    except Exception as exc:
+        release_notes(token, say=False)
+        if isinstance(exc, _Refused) or call_fn.raised is not None:
+            return call_fn(*args, **kwargs)
+        raise  # attnguard's own: fail-open reports it
+    release_notes(token, say=True)
+    return out
+
+
+def _remedy(
+    call_fn: OriginalCall, args: tuple[Any, ...], kwargs: dict[str, Any], entry: Entry
+) -> Any:
     c = GuardedCall(entry, args, kwargs)
     site = entry.site_for(c.args)
     settings = entry.in_force.settings
@@ -144,17 +181,11 @@ def remedy_call(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) 
         text = kernels.REROUTE_REASONS.get(reason) or (
             f"{entry.name} failed here before ({reason}); this call goes straight to sdpa"
         )
-        if decide(
-            settings,
-            "reroute",
-            "backend_rerouted",
-            site,
-            reason,
-            text,
-            requested=entry.name,
-            selected=Kernel.SDPA_TWIN.value,
-            slower=reason == "output_attentions",
-        ):
+        fields = {"requested": entry.name, "selected": Kernel.SDPA_TWIN.value}
+        fields["slower"] = reason == "output_attentions"
+        if decide(settings, "reroute", "backend_rerouted", site, reason, text, **fields):
+            if entry.same_call_twin:
+                return cast_out(_twin_first(c, entry), back)
             return cast_out(c.invoke(entry.twin), back)
 
     # (6) the kernel; a known error -> the twin, once, and the site latched
@@ -190,9 +221,13 @@ def recover_call(
     code, first = known
     if entry.twin is None and code != "device_mismatch":
         raise exc
+    settings = entry.in_force.settings
+    early: Any = _NOT_RUN
+    if entry.same_call_twin and settings.changes_things and settings.allows("recover"):
+        early = _twin_first(c, entry)  # announced below only once it computed the call
     try:
         recover = decide(
-            entry.in_force.settings,
+            settings,
             "recover",
             "kernel_error_recovered",
             site,
@@ -217,7 +252,19 @@ def recover_call(
         c.kwargs = {k: move_tensors(v, dev) for k, v in c.kwargs.items()}
         return c.invoke(entry.original)
     latch(latch_key, code)
+    if early is not _NOT_RUN:
+        return early
+    _align_for_twin(c, entry)
+    return c.invoke(entry.twin)
+
+
+_NOT_RUN = object()
+
+
+def _align_for_twin(c: GuardedCall, entry: Entry) -> None:
+    """The twin takes one device (the query's) and one dtype for q/k/v."""
     q = c.get(entry.tensors[0])
+    dev = q.device
     for n in (*entry.tensors[1:], *((entry.mask,) if entry.mask else ()), *entry.aux):
         value = c.get(n)
         if isinstance(value, Tensor) and value.device != dev:
@@ -226,7 +273,18 @@ def recover_call(
         t = c.get(n)
         if t.dtype != q.dtype and t.dtype.is_floating_point:
             c.set(n, t.to(q.dtype))
-    return c.invoke(entry.twin)
+
+
+def _twin_first(c: GuardedCall, entry: Entry) -> Any:
+    """This call on a same-call twin (:attr:`Entry.same_call_twin`); :class:`_Refused` where the
+    twin raises: the library refuses these inputs under every kernel, which is the call's own
+    error, not attnguard's."""
+    _align_for_twin(c, entry)
+    try:
+        return c.invoke(entry.twin)
+    except Exception:
+        pass
+    raise _Refused  # outside the handler: the twin's error is not chained to the caller's
 
 
 def recover_after_error(
@@ -242,4 +300,8 @@ def recover_after_error(
         or (entry.kind == EntryKind.REGISTRY_OTHER and "paged" in entry.name.lower())
     ):
         raise error
-    return recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)
+    try:
+        return recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)
+    except _Refused:
+        pass
+    raise error  # the kernel's own error is the call's: nothing was remedied before it

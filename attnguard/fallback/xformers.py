@@ -104,6 +104,12 @@ def _xf_tensor_bias(bias: Tensor, ndim: int, b: int, g: int, h: int, mq: int, mk
         if bias.dim() == 3 and bias.shape[0] == b * h and b > 1:
             return bias.reshape(b, h, bias.shape[-2], bias.shape[-1])
         return bias
+    if bias.dim() == 4:
+        # A BMHK bias [B, G*H, Mq, Mk] for BMGHK inputs (diffusers' GQA calls): head g*H + h
+        # reads bias head g*H + h, as xformers' ROCm kernel computes it once it flattens the
+        # groups. Its CUDA kernel takes this bias only where H == 1 (the same heads) and refuses
+        # it otherwise ("Bias expected in BMHK format").
+        return bias.expand(b, g * h, mq, mk)
     # 5D: [B, G, H, Mq, Mk] (or broadcastable).
     while bias.dim() < 5:
         bias = bias.unsqueeze(0)

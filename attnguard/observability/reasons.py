@@ -207,6 +207,16 @@ _TABLE: tuple[Reason, ...] = (
         diffusers_backend,
     ),
     Reason(
+        "xformers_missing",
+        _FALLBACK,
+        "enable_xformers_memory_efficient_attention() where xformers is not installed: on a "
+        "machine with CUDA diffusers' xformers attention processors run on attnguard's twin of "
+        "xformers.ops.memory_efficient_attention; without CUDA diffusers' error stands (it "
+        "refuses xformers there even where it is installed)",
+        "install xformers for this torch, or drop enable_xformers_memory_efficient_attention(): "
+        "diffusers' default attention processors already use torch SDPA",
+    ),
+    Reason(
         "no_twin",
         ("observed",),
         "the requested attention backend cannot run here and attnguard has no twin that computes "

@@ -141,6 +141,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     unet = ["--model", "unet", "--dtype", "float16", "--how", "xformers"]
     jobs["xformers-unguarded"] = {"real": False, "guard": False, "args": unet}
     jobs["xformers-guarded"] = {"real": False, "guard": True, "args": unet}
+    # xformers as if not installed: enable_xformers_memory_efficient_attention() (the classic
+    # processors, and Flux's dispatcher modules); ACE-Step's grouped-query calls with a mask on
+    # the dispatcher's xformers backend
+    hide = ["--hide-xformers"]
+    flux_enable = ["--model", "flux", "--dtype", "bfloat16", "--how", "xformers", *hide]
+    acestep = ["--model", "acestep", "--dtype", "bfloat16", "--backend", "xformers", *hide]
+    for name, args in (("unet", [*unet, *hide]), ("flux", flux_enable), ("acestep", acestep)):
+        jobs[f"xformers-missing-{name}"] = {"real": False, "guard": False, "args": args}
+        jobs[f"xformers-missing-{name}-guarded"] = {"real": False, "guard": True, "args": args}
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {k: pool.submit(_run, where, out_dir, k, **job) for k, job in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
@@ -208,3 +217,29 @@ def test_enable_xformers_with_unusable_ops_runs_guarded_with_natives_numbers(
     assert _rel_err(got["out"], got["native"]) < REL["float16"]
     remedied = _remedies(guarded)
     assert remedied and {site for _, site, _ in remedied} == {"xformers.memory_efficient_attention"}
+
+
+MISSING = {
+    "unet": ("ModuleNotFoundError", "diffusers.xformers_processors", "xformers_missing", "float16"),
+    "flux": ("ModuleNotFoundError", "diffusers.xformers", "backend_package_unusable", "bfloat16"),
+    "acestep": ("RuntimeError", "diffusers.xformers", "backend_package_unusable", "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MISSING))
+def test_xformers_missing_runs_guarded_with_natives_numbers(
+    model: str, runs: dict[str, dict[str, Any]]
+) -> None:
+    """Without xformers: ``enable_xformers_memory_efficient_attention()`` (unet, flux) and the
+    dispatcher's xformers backend with grouped-query calls and a mask (acestep). Unguarded
+    diffusers refuses; guarded one event and native's numbers within the dtype's rounding."""
+    unguarded, guarded = (
+        runs[f"xformers-missing-{model}"],
+        runs[f"xformers-missing-{model}-guarded"],
+    )
+    error, site, reason, dtype = MISSING[model]
+    assert unguarded["error"] is not None and unguarded["error"].startswith(error), unguarded
+    assert guarded["error"] is None, guarded["error"]
+    got = guarded["tensors"]
+    assert _rel_err(got["out"], got["native"]) < REL[dtype]
+    assert _remedies(guarded) == [("backend_fallback", site, reason)]

@@ -2,9 +2,9 @@
 with the same model on diffusers' ``native`` backend. For tests/test_diffusers_activation.py,
 tests/test_diffusers.py (the models) and tests/gpu/test_diffusers_gpu.py.
 
-    python diffusers_worker.py [--guard import|none] [--backend B] [--model flux|unet]
+    python diffusers_worker.py [--guard import|none] [--backend B] [--model flux|unet|acestep]
                                [--device D] [--dtype T] [--diffusers-first]
-                               [--how set|context|env|xformers] [--save PATH]
+                               [--how set|context|env|xformers] [--save PATH] [--hide-xformers]
 
 ``--guard import`` imports attnguard first (activation by import); ``none`` imports nothing of
 attnguard (unguarded, or guarded by the start-up hook / ``attnguard run`` when those activated it
@@ -15,6 +15,8 @@ default backend, the reference with ``set_attention_backend("native")``), or
 ``model.enable_xformers_memory_efficient_attention()`` (``xformers``: the processors that call
 ``xformers.ops`` directly; ``--backend`` unused). ``--save`` writes both outputs (``{"out",
 "native"}``, float32 on the CPU) with ``torch.save``, for comparisons across processes.
+``--hide-xformers``: xformers as if not installed (``import xformers`` fails, diffusers'
+``is_xformers_available()`` is False) on a machine that has it.
 
 Prints one JSON line: ``{"max_diff", "equal", "error", "events", "active", "flash_attn"}`` where
 ``error`` is the first error's type and first line (then no diff), ``events`` every attnguard event
@@ -102,7 +104,49 @@ def unet_inputs(device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict
     }
 
 
-MODELS = {"flux": (tiny_flux, flux_inputs), "unet": (tiny_unet, unet_inputs)}
+def tiny_acestep(seed: int = 0) -> Any:
+    """A two-layer ACE-Step transformer: GQA attention (4 query heads, 2 key/value heads) through
+    the dispatcher with ``enable_gqa=True`` and, outside the flash backends, a 4D additive mask
+    (sliding-window layers)."""
+    from diffusers import AceStepTransformer1DModel
+
+    torch.manual_seed(seed)
+    return AceStepTransformer1DModel(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        in_channels=12,
+        audio_acoustic_hidden_dim=6,
+        patch_size=2,
+        sliding_window=3,
+    ).eval()
+
+
+def acestep_inputs(device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    b, s = 2, 20
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    return {
+        "hidden_states": rand(b, s, 6),
+        "timestep": torch.full((b,), 0.5, device=device, dtype=dtype),
+        "timestep_r": torch.full((b,), 0.5, device=device, dtype=dtype),
+        "encoder_hidden_states": rand(b, 7, 32),
+        "context_latents": rand(b, s, 6),
+        "return_dict": False,
+    }
+
+
+MODELS = {
+    "flux": (tiny_flux, flux_inputs),
+    "unet": (tiny_unet, unet_inputs),
+    "acestep": (tiny_acestep, acestep_inputs),
+}
 
 
 def run(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
@@ -124,8 +168,11 @@ def main() -> None:
     p.add_argument("--diffusers-first", action="store_true")
     p.add_argument("--how", choices=("set", "context", "env", "xformers"), default="set")
     p.add_argument("--save", default=None)
+    p.add_argument("--hide-xformers", action="store_true")
     args = p.parse_args()
     logging.disable(logging.WARNING)  # diffusers' "experimental feature" warnings
+    if args.hide_xformers:  # as if not installed: import fails, find_spec answers None
+        sys.modules["xformers"] = None  # type: ignore[assignment]
     if args.diffusers_first:
         import diffusers.models.attention_dispatch  # noqa: F401
     if args.guard == "import":

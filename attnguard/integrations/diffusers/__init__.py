@@ -45,5 +45,14 @@ INTEGRATION = LibraryIntegration(
             module="attnguard.integrations.diffusers.guard",
             trigger="diffusers.models.attention_dispatch",
         ),
+        # enable_xformers_memory_efficient_attention() where xformers is missing
+        Part(
+            module="attnguard.integrations.diffusers.enable_xformers",
+            trigger="diffusers.models.attention_processor",
+        ),
+        Part(
+            module="attnguard.integrations.diffusers.enable_xformers_mixin",
+            trigger="diffusers.models.attention",
+        ),
     ),
 )

@@ -12,7 +12,9 @@ Nothing wrong -> diffusers' own function runs untouched. Something wrong -> the 
   then on (``kernel_error_recovered``, then ``backend_rerouted``): for ``native``, its own function
   with every SDPA kernel allowed (after a caller's narrower ``sdpa_kernel`` context); for a backend
   forced to one SDPA kernel (``_native_flash``, ``_native_cudnn``, ...), the same SDPA call with
-  SDPA free to choose (:func:`.twins.sdpa_unforced`). Calls of ``_native_cudnn`` /
+  SDPA free to choose (:func:`.twins.sdpa_unforced`). A call SDPA refuses with every kernel
+  allowed (a mask that does not fit, k/v heads without ``enable_gqa``) keeps its own error and
+  nothing is announced: no kernel would compute it. Calls of ``_native_cudnn`` /
   ``_native_flash`` that ask for the LSE or run context-parallel take diffusers' other code path,
   which no twin computes: they run as diffusers makes them, errors included;
 * flash / xformers backends: dtypes and devices only; their kernels are guarded where they are
@@ -30,8 +32,9 @@ import torch
 
 from ... import callguard, runtime
 from ...kernels import EntryKind
+from ...observability import events
 from . import shape
-from .backends import ledger, site
+from .backends import ledger, serve, site
 from .twins import every_sdpa_kernel, sdpa_unforced
 
 Tensor = torch.Tensor
@@ -44,10 +47,12 @@ def patch(module: ModuleType) -> None:
     held = shape.registry(module)._backends
     for name, key in shape.backends(module).items():
         if name in shape.GUARDED and shape.takes_qkv(held[key]):
-            ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original))
+            ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original, module))
 
 
-def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap(
+    name: str, original: Callable[..., Any], module: ModuleType | None = None
+) -> Callable[..., Any]:
     """The guarded entry for backend ``name`` (signature and name preserved)."""
     if getattr(original, "__attnguard_original__", None) is not None:
         return original
@@ -66,8 +71,13 @@ def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         mask="attn_mask",
         site=where,
         in_force=runtime.IN_FORCE,
+        # the twins are SDPA's own call without the kernel restriction: SDPA refusing a call
+        # under every kernel is the call's own error, not attnguard's
+        same_call_twin=twin is not None,
     )
     guarded = callguard.guard(entry, _check(where))
+    if name in shape.TWINNED and module is not None and _unusable(module, name):
+        return _served_first(module, name, original, guarded)
     if name not in _TWO_PATHS:
         return guarded
 
@@ -79,6 +89,48 @@ def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     wrapper = functools.wraps(original)(attnguard_attention)
     wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
     return wrapper
+
+
+def _served_first(
+    module: ModuleType, name: str, original: Callable[..., Any], guarded: Callable[..., Any]
+) -> Callable[..., Any]:
+    """A call straight into a backend diffusers never checked (``dispatch_attention_fn(...,
+    backend=name)``, the registry's function itself) whose package it cannot use: the backend
+    goes on the twins first, as ``set_attention_backend`` would have put it (one
+    ``backend_fallback``). Where it does not (warn mode, no twin), diffusers' own call runs
+    untouched, its error included: no remedy of the per-call guard helps a backend without its
+    kernel, and none is announced."""
+
+    def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
+        if _unusable(module, name) and not _serve_unchecked(module, name):
+            return original(*args, **kwargs)
+        return guarded(*args, **kwargs)
+
+    wrapper = functools.wraps(original)(attnguard_attention)
+    wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _unusable(module: ModuleType, name: str) -> bool:
+    """diffusers bound no kernel for backend ``name`` at import: its package cannot be used here
+    (the layer of :func:`_served_first` costs nothing where the kernel is installed)."""
+    return getattr(module, shape.TWINNED[name].kernels[0], None) is None
+
+
+def _serve_unchecked(module: ModuleType, name: str) -> bool:
+    """True when backend ``name`` now runs on the twins (:func:`.backends.serve`)."""
+    if events.is_compiling():
+        return False
+    check = module._check_attention_backend_requirements
+    check = getattr(check, "__attnguard_original__", check)
+    try:
+        check(shape.backends(module)[name])
+    except RuntimeError as err:
+        how = " (named by the call; diffusers did not check it)"
+        return serve(module, name, err, how=how)
+    except Exception:
+        return False
+    return False
 
 
 def _check(where: str) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
