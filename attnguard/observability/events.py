@@ -39,9 +39,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import launch, safefiles
+from .. import launch
 from ..config import Settings
 from ..launch import IDENTITY_VARS, launch_context, launch_identity
+from . import logfile
 from .reasons import known as known_reason
 from .sinks import LEVELNO as _LEVELNO
 from .sinks import StreamSink, render_console, render_json, stdlib_logger
@@ -297,7 +298,7 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
                 made.append(sink)
             elif eager and target != "stderr":
                 with sink._lock:
-                    sink._open()
+                    sink.open_now()
         except OSError as exc:
             for s in made:
                 s.close()
@@ -358,7 +359,7 @@ def probe_log_files(settings: Settings) -> None:
     for target in settings.log_targets:
         if target != "stderr":
             try:
-                safefiles.probe_log(StreamSink(target, "json").path())
+                logfile.probe_log(StreamSink(target, "json").path())
             except OSError as exc:
                 raise _unwritable(settings, target, exc) from None
 
