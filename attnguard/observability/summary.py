@@ -25,7 +25,8 @@ its group announces when the group is made, :func:`on_group_start`), and, when i
 under a launcher, that it is alive (:func:`announce_alive`: its host and pid, removed at its exit
 when it has nothing to report). A rank that destroys its process group posts its record as it
 stands then (:func:`on_group_end`), and again at exit unless nothing changed since and it had
-announced nothing. At exit rank 0 takes every record already there and waits, at most
+announced nothing; a rank whose exit record is posted already (``attnguard.finish()`` before
+the destroy) posts nothing more: its exit record stands. At exit rank 0 takes every record already there and waits, at most
 :data:`GATHER_TIMEOUT_S`, only for ranks that announced events and have not posted their exit
 record, or that joined the process group (the store's ``joined`` roll, :func:`on_group_start`)
 or still run on this host, with no record (and, meeting in torchrun's store with no process
@@ -285,16 +286,18 @@ def on_group_start() -> None:
         pass
 
 
-_posted = {"at_group_end": b""}  # the record this rank posted when it destroyed its group
+# the record this rank posted when it destroyed its group; whether it handed its exit record on
+_posted: dict[str, Any] = {"at_group_end": b"", "exit": False}
 
 
 def on_group_end() -> None:
     """Just before the default process group is destroyed: keep its store, and post this rank's
-    record as it stands (rank 0 counts it if no exit record comes). Never raises."""
+    record as it stands (rank 0 counts it if no exit record comes), unless its exit record is
+    posted already (``attnguard.finish()`` came first): that one stands. Never raises."""
     try:
         jobstore.keep_default_store()
         store = jobstore.job_store()
-        if store is None or not _rank_of_job():
+        if store is None or not _rank_of_job() or _posted["exit"]:
             return
         if _has_events():
             _announce_in_store()
@@ -313,7 +316,7 @@ def _post(store: jobstore.JobStore, record: bytes) -> None:
 
 def _after_fork_in_child() -> None:
     _announced.update(files=False, store=False)
-    _posted["at_group_end"] = b""
+    _posted.update(at_group_end=b"", exit=False)
 
 
 if hasattr(os, "register_at_fork"):
@@ -348,6 +351,7 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
         try:
             if not _unchanged_since_group_end(record):
                 _post(store, record)
+            _posted["exit"] = True
             jobdir.retire_alive(rank, None)
             return  # posted: rank 0 tells the story once
         except jobstore.StoreUnavailable as exc:
@@ -365,6 +369,7 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
     if rank != 0 and directory is not None:
         try:
             directory.write(f"rank-{rank}.json", _record(rank))
+            _posted["exit"] = True
             jobdir.retire_alive(rank, directory)
         except OSError as exc:
             why = f"cannot write to {directory.path}: {exc.strerror or exc}"
