@@ -19,6 +19,13 @@ import freely: the callbacks due before the module's code (:func:`call_before`) 
 (:func:`register_post_import_hook`) in ``exec_module``, after the module's code. Module objects keep the real loader (``__loader__``,
 ``__spec__.loader``).
 
+A module whose import began before this finder was there (another thread is running its code
+while attnguard activates) cannot be followed through its loader: it is in ``sys.modules``, not
+yet whole. Its spec is followed instead (:func:`_follow`): Python marks a spec
+``_initializing`` while the module's code runs and clears the mark in that importing thread once
+the module is in place, still holding the module's lock; the hooks run there, then, before any
+other thread can get the module. Nobody waits for anybody.
+
 Standard library only (``sys`` and ``_thread``): the start-up hook imports it in every guarded
 process.
 """
@@ -191,12 +198,76 @@ def cancel_before(callback: Callable[[], None]) -> None:
                 del _before[name]
 
 
-def register_post_import_hook(hook: Callable[[ModuleType], None], name: str) -> None:
-    """Run ``hook(module)`` once module ``name`` is imported: now when it already is, else at
-    the end of its import (also when that import has begun but its code is still running).
+def _initializing(module: object) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
-    A module another thread began importing before this finder was there cannot be followed:
-    its hook runs now, on what exists of it (as wrapt's post-import hooks do).
+
+_followed_kinds: dict[type, type] = {}
+
+
+def _followed_kind(kind: type) -> type:
+    """``kind`` (a spec's class) whose ``_initializing`` mark, when cleared, runs the hooks."""
+    followed = _followed_kinds.get(kind)
+    if followed is None:
+
+        def get(spec: Any) -> Any:
+            return spec.__dict__.get("_initializing", False)
+
+        def set_(spec: Any, value: Any) -> None:
+            if not value and spec.__dict__.get("_initializing"):
+                _import_ended(spec)  # before the mark clears: other threads still wait
+            spec.__dict__["_initializing"] = value
+            if not value:
+                spec.__class__ = kind
+
+        followed = type(kind.__name__, (kind,), {"_initializing": property(get, set_)})
+        _followed_kinds[kind] = followed
+    return followed
+
+
+def _follow(module: object) -> bool:
+    """Have the hooks of a module whose code is running now (its import began before this
+    finder was there) run when its import ends, in the importing thread. False when it cannot
+    be followed, or has ended meanwhile. Called with ``_lock`` held."""
+    spec = getattr(module, "__spec__", None)
+    try:
+        kind = type(spec)
+        spec.__class__ = _followed_kind(kind)
+    except Exception:
+        return False  # not a class that can be followed
+    if spec.__dict__.get("_initializing"):
+        return True  # the end, when it comes, waits for _lock, then finds the hooks
+    spec.__class__ = kind  # ended before we followed it: the module is whole
+    return False
+
+
+def _import_ended(spec: Any) -> None:
+    """The import of ``spec.name`` ends (in the importing thread): run its hooks if it
+    succeeded; after a failure they stay for a later import (through the finder)."""
+    name = getattr(spec, "name", None)
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if module is None:
+        return  # the import failed (Python took the module out again)
+    with _lock:
+        hooks = _after.pop(name, ())
+    for hook in hooks:
+        try:
+            hook(module)
+        except Exception:
+            pass  # the import stands (hooks report their own errors)
+
+
+def register_post_import_hook(
+    hook: Callable[[ModuleType], None],
+    name: str,
+    cannot_follow: Callable[[ModuleType], None] | None = None,
+) -> None:
+    """Run ``hook(module)`` once module ``name`` is imported: now when it already is, else at
+    the end of its import (also when that import has begun but its code is still running, in
+    this thread or another, through the finder or before it was there).
+
+    A module still being imported that cannot be followed (a spec of a kind whose class cannot
+    be switched): ``cannot_follow(module)`` instead, and ``hook`` at a later import of it.
     """
     with _lock:
         module = sys.modules.get(name)
@@ -204,4 +275,16 @@ def register_post_import_hook(hook: Callable[[ModuleType], None], name: str) -> 
             _install()
             _after.setdefault(name, []).append(hook)
             return
-    hook(module)  # outside the lock: a hook imports
+        unfollowed = False
+        if _initializing(module):
+            _install()
+            _after.setdefault(name, []).append(hook)
+            if _follow(module):
+                return
+            unfollowed = _initializing(module)
+            if not unfollowed:
+                _after[name].remove(hook)  # ended meanwhile: whole now
+    if not unfollowed:
+        hook(module)  # outside the lock: a hook imports
+    elif cannot_follow is not None:
+        cannot_follow(module)
