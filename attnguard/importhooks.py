@@ -60,6 +60,9 @@ class ImportWatcher:
     """The finder: first on ``sys.meta_path`` once anything is registered."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        meta = sys.meta_path
+        if meta and meta[0] is not self:
+            _to_front(self, meta)
         if fullname not in _before and fullname not in _after:
             return None  # dict reads: no lock, nothing imported
         key = (get_ident(), fullname)
@@ -78,6 +81,20 @@ class ImportWatcher:
         if not isinstance(loader, _HookedLoader):
             spec.loader = _HookedLoader(loader, fullname)
         return spec
+
+
+def _to_front(watcher: ImportWatcher, meta: list[Any]) -> None:
+    """Put the finder first again: another finder inserted in front of it since (typeguard's
+    import hook, a plugin's) would take a watched module past it, unpatched. Ours asks the
+    finders behind it in their order, so theirs still finds, loads and transforms that module.
+    Python may be iterating ``meta`` now: removing ours from behind the one asked and inserting
+    it at the front moves only what comes before it, so the iteration goes on at the finder
+    after ours as before (no lock, nothing imported)."""
+    try:
+        meta.remove(watcher)
+    except ValueError:
+        return  # another thread moved it a moment ago
+    meta.insert(0, watcher)
 
 
 def _find_behind(watcher: ImportWatcher, fullname: str, path: Any, target: Any) -> Any:
@@ -170,13 +187,15 @@ _watcher: ImportWatcher | None = None
 
 
 def _install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once; again if something removed it). Called
-    with ``_lock`` held."""
+    """Put the finder first on ``sys.meta_path`` (once; again if something removed it or put
+    another finder in front of it). Called with ``_lock`` held."""
     global _watcher
     if _watcher is None:
         _watcher = ImportWatcher()
     if _watcher not in sys.meta_path:
         sys.meta_path.insert(0, _watcher)
+    elif sys.meta_path[0] is not _watcher:
+        _to_front(_watcher, sys.meta_path)
 
 
 def call_before(names: Iterable[str], callback: Callable[[], None]) -> None:
