@@ -33,7 +33,7 @@ process.
 from __future__ import annotations
 
 import sys
-from _thread import allocate_lock, get_ident
+from _thread import RLock, get_ident
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -52,8 +52,11 @@ _executing: dict[str, int] = {}
 # system for the same name finds the plain spec, not ours again.
 _finding: set[tuple[int, str]] = set()
 # Guards registration against a loader finishing the same module. Taken by registration and
-# by exec_module, never by find_spec, and nothing is called while it is held.
-_lock = allocate_lock()
+# by exec_module, never by find_spec, and nothing is called while it is held. Re-entrant: a
+# signal handler runs in the main thread between any two of its bytecodes, also while it holds
+# this lock, and an import there (of a watched module) takes it again; every section under it
+# is a few dict operations that stand such an interleaving.
+_lock = RLock()
 
 
 class ImportWatcher:
@@ -210,11 +213,11 @@ def call_before(names: Iterable[str], callback: Callable[[], None]) -> None:
 def cancel_before(callback: Callable[[], None]) -> None:
     with _lock:
         for name in list(_before):
-            left = [c for c in _before[name] if c is not callback]
+            left = [c for c in _before.get(name, ()) if c is not callback]
             if left:
                 _before[name] = left
             else:
-                del _before[name]
+                _before.pop(name, None)
 
 
 def _initializing(module: object) -> bool:
@@ -302,7 +305,10 @@ def register_post_import_hook(
                 return
             unfollowed = _initializing(module)
             if not unfollowed:
-                _after[name].remove(hook)  # ended meanwhile: whole now
+                hooks = _after.get(name, [])
+                if hook not in hooks:
+                    return  # ran meanwhile, at the end of its import
+                hooks.remove(hook)  # ended meanwhile: whole now, the hook runs below
     if not unfollowed:
         hook(module)  # outside the lock: a hook imports
     elif cannot_follow is not None:

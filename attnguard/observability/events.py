@@ -202,7 +202,9 @@ def _get_chain() -> Any:
 class _State:
     def __init__(self) -> None:
         self.settings = Settings()
-        self.lock = threading.Lock()
+        # re-entrant: a signal handler (a SIGTERM handler calling attnguard.finish()) runs in
+        # the main thread, also while it holds the lock
+        self.lock = threading.RLock()
         # (event, site, reason_code) -> count
         self.counts: dict[tuple[str, str | None, str | None], int] = {}
         # (event, site, reason_code) -> [applied, would_have, observed, internal_errors]
@@ -227,9 +229,9 @@ _state = _State()
 def _after_fork_in_child() -> None:
     """A forked child is a process of its own: a new id, none of its parent's counts (they are
     the parent's to report), and no lock another thread of the parent held at the fork."""
-    _state.lock = threading.Lock()
+    _state.lock = threading.RLock()
     for sink in _state.streams:
-        sink._lock = threading.Lock()
+        sink._lock = threading.RLock()
     _state.proc = new_process_id()
     _state.counts = {}
     _state.kinds = {}

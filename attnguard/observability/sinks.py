@@ -140,7 +140,7 @@ class StreamSink:
         self._held: list[bytes] = []  # lines for a FIFO nobody reads yet
         self._held_bytes = 0
         self._dropped = 0  # lines beyond HELD_BYTES
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a signal handler may emit while the main thread writes
         if eager and target != "stderr":
             self.open_now()
 
