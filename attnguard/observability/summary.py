@@ -184,14 +184,22 @@ def _ranks(ranks: list[int]) -> str:
 def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     fields = aggregate(got.records)
     missing = [r for r in range(world_size) if r not in got.records]
-    late = [r for r in missing if r in got.waited_for]
+    late = [r for r in missing if r in got.waited_for and r not in got.gone]
+    gone = [r for r in missing if r in got.gone]
     expected = [r for r in missing if r in got.expected and r not in got.waited_for]
-    silent = [r for r in missing if r not in got.waited_for and r not in got.expected]
+    silent = [
+        r for r in missing if r not in got.waited_for and r not in got.expected and r not in gone
+    ]
     head = headline(fields, f"over {len(got.records)} of {world_size} ranks")
     if late:
         head += f" ({_ranks(late)}: no report within {timeout_s:g} s, though they announced events)"
     if expected:
         head += f" ({_ranks(expected)}: no report within {timeout_s:g} s)"
+    if gone:
+        head += (
+            f" ({_ranks(gone)}: their process ended without reporting (killed?), though they "
+            "announced events)"
+        )
     if got.as_of_group_end:
         head += (
             f" ({_ranks(got.as_of_group_end)} counted as of their destroy_process_group(): no "
@@ -218,6 +226,7 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
         waited_for=sorted(got.waited_for),
         waited_s=round(got.waited_s, 3),
         as_of_group_end=got.as_of_group_end,
+        gone_ranks=got.gone,
         ignored_records=got.ignored,
         gathered_by=got.via,
         advice=rows,
