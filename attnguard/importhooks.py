@@ -19,6 +19,13 @@ import freely: the callbacks due before the module's code (:func:`call_before`) 
 (:func:`register_post_import_hook`) in ``exec_module``, after the module's code. Module objects keep the real loader (``__loader__``,
 ``__spec__.loader``).
 
+A module whose import began before this finder was there (another thread is running its code
+while attnguard activates) cannot be followed through its loader: it is in ``sys.modules``, not
+yet whole. Its spec is followed instead (:func:`_follow`): Python marks a spec
+``_initializing`` while the module's code runs and clears the mark in that importing thread once
+the module is in place, still holding the module's lock; the hooks run there, then, before any
+other thread can get the module. Nobody waits for anybody.
+
 Standard library only (``sys`` and ``_thread``): the start-up hook imports it in every guarded
 process.
 """
@@ -26,7 +33,7 @@ process.
 from __future__ import annotations
 
 import sys
-from _thread import allocate_lock, get_ident
+from _thread import RLock, get_ident
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -45,14 +52,20 @@ _executing: dict[str, int] = {}
 # system for the same name finds the plain spec, not ours again.
 _finding: set[tuple[int, str]] = set()
 # Guards registration against a loader finishing the same module. Taken by registration and
-# by exec_module, never by find_spec, and nothing is called while it is held.
-_lock = allocate_lock()
+# by exec_module, never by find_spec, and nothing is called while it is held. Re-entrant: a
+# signal handler runs in the main thread between any two of its bytecodes, also while it holds
+# this lock, and an import there (of a watched module) takes it again; every section under it
+# is a few dict operations that stand such an interleaving.
+_lock = RLock()
 
 
 class ImportWatcher:
     """The finder: first on ``sys.meta_path`` once anything is registered."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        meta = sys.meta_path
+        if meta and meta[0] is not self:
+            _to_front(self, meta)
         if fullname not in _before and fullname not in _after:
             return None  # dict reads: no lock, nothing imported
         key = (get_ident(), fullname)
@@ -71,6 +84,20 @@ class ImportWatcher:
         if not isinstance(loader, _HookedLoader):
             spec.loader = _HookedLoader(loader, fullname)
         return spec
+
+
+def _to_front(watcher: ImportWatcher, meta: list[Any]) -> None:
+    """Put the finder first again: another finder inserted in front of it since (typeguard's
+    import hook, a plugin's) would take a watched module past it, unpatched. Ours asks the
+    finders behind it in their order, so theirs still finds, loads and transforms that module.
+    Python may be iterating ``meta`` now: removing ours from behind the one asked and inserting
+    it at the front moves only what comes before it, so the iteration goes on at the finder
+    after ours as before (no lock, nothing imported)."""
+    try:
+        meta.remove(watcher)
+    except ValueError:
+        return  # another thread moved it a moment ago
+    meta.insert(0, watcher)
 
 
 def _find_behind(watcher: ImportWatcher, fullname: str, path: Any, target: Any) -> Any:
@@ -163,13 +190,15 @@ _watcher: ImportWatcher | None = None
 
 
 def _install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once; again if something removed it). Called
-    with ``_lock`` held."""
+    """Put the finder first on ``sys.meta_path`` (once; again if something removed it or put
+    another finder in front of it). Called with ``_lock`` held."""
     global _watcher
     if _watcher is None:
         _watcher = ImportWatcher()
     if _watcher not in sys.meta_path:
         sys.meta_path.insert(0, _watcher)
+    elif sys.meta_path[0] is not _watcher:
+        _to_front(_watcher, sys.meta_path)
 
 
 def call_before(names: Iterable[str], callback: Callable[[], None]) -> None:
@@ -184,19 +213,83 @@ def call_before(names: Iterable[str], callback: Callable[[], None]) -> None:
 def cancel_before(callback: Callable[[], None]) -> None:
     with _lock:
         for name in list(_before):
-            left = [c for c in _before[name] if c is not callback]
+            left = [c for c in _before.get(name, ()) if c is not callback]
             if left:
                 _before[name] = left
             else:
-                del _before[name]
+                _before.pop(name, None)
 
 
-def register_post_import_hook(hook: Callable[[ModuleType], None], name: str) -> None:
+def _initializing(module: object) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+_followed_kinds: dict[type, type] = {}
+
+
+def _followed_kind(kind: type) -> type:
+    """``kind`` (a spec's class) whose ``_initializing`` mark, when cleared, runs the hooks."""
+    followed = _followed_kinds.get(kind)
+    if followed is None:
+
+        def get(spec: Any) -> Any:
+            return spec.__dict__.get("_initializing", False)
+
+        def set_(spec: Any, value: Any) -> None:
+            if not value and spec.__dict__.get("_initializing"):
+                _import_ended(spec)  # before the mark clears: other threads still wait
+            spec.__dict__["_initializing"] = value
+            if not value:
+                spec.__class__ = kind
+
+        followed = type(kind.__name__, (kind,), {"_initializing": property(get, set_)})
+        _followed_kinds[kind] = followed
+    return followed
+
+
+def _follow(module: object) -> bool:
+    """Have the hooks of a module whose code is running now (its import began before this
+    finder was there) run when its import ends, in the importing thread. False when it cannot
+    be followed, or has ended meanwhile. Called with ``_lock`` held."""
+    spec = getattr(module, "__spec__", None)
+    try:
+        kind = type(spec)
+        spec.__class__ = _followed_kind(kind)
+    except Exception:
+        return False  # not a class that can be followed
+    if spec.__dict__.get("_initializing"):
+        return True  # the end, when it comes, waits for _lock, then finds the hooks
+    spec.__class__ = kind  # ended before we followed it: the module is whole
+    return False
+
+
+def _import_ended(spec: Any) -> None:
+    """The import of ``spec.name`` ends (in the importing thread): run its hooks if it
+    succeeded; after a failure they stay for a later import (through the finder)."""
+    name = getattr(spec, "name", None)
+    module = sys.modules.get(name) if isinstance(name, str) else None
+    if module is None:
+        return  # the import failed (Python took the module out again)
+    with _lock:
+        hooks = _after.pop(name, ())
+    for hook in hooks:
+        try:
+            hook(module)
+        except Exception:
+            pass  # the import stands (hooks report their own errors)
+
+
+def register_post_import_hook(
+    hook: Callable[[ModuleType], None],
+    name: str,
+    cannot_follow: Callable[[ModuleType], None] | None = None,
+) -> None:
     """Run ``hook(module)`` once module ``name`` is imported: now when it already is, else at
-    the end of its import (also when that import has begun but its code is still running).
+    the end of its import (also when that import has begun but its code is still running, in
+    this thread or another, through the finder or before it was there).
 
-    A module another thread began importing before this finder was there cannot be followed:
-    its hook runs now, on what exists of it (as wrapt's post-import hooks do).
+    A module still being imported that cannot be followed (a spec of a kind whose class cannot
+    be switched): ``cannot_follow(module)`` instead, and ``hook`` at a later import of it.
     """
     with _lock:
         module = sys.modules.get(name)
@@ -204,4 +297,19 @@ def register_post_import_hook(hook: Callable[[ModuleType], None], name: str) -> 
             _install()
             _after.setdefault(name, []).append(hook)
             return
-    hook(module)  # outside the lock: a hook imports
+        unfollowed = False
+        if _initializing(module):
+            _install()
+            _after.setdefault(name, []).append(hook)
+            if _follow(module):
+                return
+            unfollowed = _initializing(module)
+            if not unfollowed:
+                hooks = _after.get(name, [])
+                if hook not in hooks:
+                    return  # ran meanwhile, at the end of its import
+                hooks.remove(hook)  # ended meanwhile: whole now, the hook runs below
+    if not unfollowed:
+        hook(module)  # outside the lock: a hook imports
+    elif cannot_follow is not None:
+        cannot_follow(module)

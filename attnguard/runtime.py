@@ -114,6 +114,21 @@ def _on_unswitchable_import(integration: Integration, part: str, module: Any) ->
             report_internal_error(f"{integration.name}.patch", exc)
 
 
+def _not_followed(integration: Integration, part: str, module: Any) -> None:
+    """A part's module was still being imported (by another thread, before attnguard was there)
+    and its import cannot be followed: the part is not patched, and one event says so."""
+    events.emit(
+        "observed",
+        site=f"{integration.name}.patch",
+        reason_code="import_in_progress",
+        reason=(
+            f"{module.__name__} was still being imported when attnguard activated, and its "
+            f"import could not be followed: {part} is not patched in this process (activate "
+            "attnguard before other threads import it: ATTNGUARD=1, or import attnguard first)"
+        ),
+    )
+
+
 def _register_hooks() -> None:
     from . import importhooks
     from .integrations import REGISTRY
@@ -122,14 +137,16 @@ def _register_hooks() -> None:
         on_import = _on_import if integration.switchable else _on_unswitchable_import
         for part in integration.parts:
             key = (integration.name, part.module)
-            if key in _hooks_registered:
-                if part.trigger in sys.modules:  # hooks already fired once; re-patch what is there
-                    on_import(integration, part.module, sys.modules[part.trigger])
-                continue
+            if key in _hooks_registered and part.trigger not in sys.modules:
+                continue  # its hook waits for the import
             _hooks_registered.add(key)
-            # Fires immediately when the module is already imported.
+            # Fires now when the module is already imported (whole), else at the end of its
+            # import (also one under way in another thread); hooks that fired once re-patch
+            # what is there.
             importhooks.register_post_import_hook(
-                functools.partial(on_import, integration, part.module), part.trigger
+                functools.partial(on_import, integration, part.module),
+                part.trigger,
+                cannot_follow=functools.partial(_not_followed, integration, part.module),
             )
 
 

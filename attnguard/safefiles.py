@@ -2,16 +2,15 @@
 
 attnguard touches files in these ways, each with its own rule (docs/files.md says the same):
 
-* **every path** is walked one directory at a time through descriptors (:class:`_Walk`): a
+* **every path** is walked one directory at a time through descriptors (:class:`Walk`): a
   symbolic link anywhere on it is followed only when it belongs to you or to root (so
   ``/dev/stderr`` and your own links work, while a link another user planted in a shared
   directory such as /tmp is refused: the ``fs.protected_symlinks`` rule, whatever the kernel's
   setting, for directories on the way too), and nothing can be swapped in between a check and
   the use.
-* **the log file** (``ATTNGUARD_LOG``): created ``0666 & ~umask`` like any file the program
-  writes, opened for appending; an existing regular file of another user is never written.
-  Where another user's link or file occupies the path, the events go to a fresh file nobody can
-  predict, beside it or in your private directory (:func:`open_log`).
+* **the log file** (``ATTNGUARD_LOG``): its rules are :mod:`attnguard.observability.logfile`'s
+  (opened without ever waiting; another user's file of any kind is never opened), on this
+  module's walk.
 * **your private directory** (:func:`private_dir`): ``$XDG_RUNTIME_DIR/attnguard``, else
   ``~/.cache/attnguard/run``, else ``$TMPDIR/attnguard-<uid>``: the first that is a real
   directory of yours no one else can write to. Nobody else can create anything in the first
@@ -66,12 +65,12 @@ def _uid() -> int | None:
     return os.geteuid() if hasattr(os, "geteuid") else None
 
 
-def _trusted_owner(uid: int) -> bool:
+def trusted_owner(uid: int) -> bool:
     me = _uid()
     return me is None or uid in (me, 0)
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -97,7 +96,7 @@ def path_problem(path: str) -> str | None:
     return None
 
 
-def _abs(path: str) -> str:
+def absolute(path: str) -> str:
     """``path`` made absolute without collapsing ``..`` in text (the walk takes it physically)."""
     return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
@@ -106,15 +105,15 @@ def _parts(path: str) -> list[str]:
     return [p for p in path.split(os.sep) if p not in ("", ".")]
 
 
-def _check_link(st: os.stat_result, shown: str) -> None:
-    if not _trusted_owner(st.st_uid):
+def check_link(st: os.stat_result, shown: str) -> None:
+    if not trusted_owner(st.st_uid):
         raise ForeignFile(
             f"{shown} is a symbolic link that belongs to another user (uid {st.st_uid}); "
             "attnguard follows only your own links and root's"
         )
 
 
-class _Walk:
+class Walk:
     """A directory reached one component at a time through descriptors: a symbolic link on the
     way is followed only after its owner was checked (you or root), so nothing another user
     planted anywhere on a path is followed, and nothing can be swapped in between the check and
@@ -125,7 +124,7 @@ class _Walk:
         self.real: list[str] = []
         self.hops = 0
         try:
-            self.enter(_parts(_abs(path)), create, mode)
+            self.enter(_parts(absolute(path)), create, mode)
         except BaseException:
             self.close()
             raise
@@ -155,7 +154,7 @@ class _Walk:
         self.hops += 1
         if self.hops > _MAX_LINK_HOPS:
             raise UnsafeFile(f"{self.shown(name)}: too many levels of symbolic links")
-        _check_link(st, self.shown(name))
+        check_link(st, self.shown(name))
         target = os.readlink(name, dir_fd=self.fd)
         if os.path.isabs(target):
             self._move("/")
@@ -192,11 +191,11 @@ class _Walk:
             os.close(fd)
 
 
-def _final(path: str, create_dirs: bool) -> tuple[_Walk, str, bool]:
+def walk_to(path: str, create_dirs: bool) -> tuple[Walk, str, bool]:
     """(the directory, the final name in it, whether the kernel must follow that name): every
     link on the way and at the end is checked, the end's chain followed to what it names."""
-    head, name = os.path.split(_abs(path))
-    walk = _Walk(head, create=create_dirs)
+    head, name = os.path.split(absolute(path))
+    walk = Walk(head, create=create_dirs)
     try:
         while True:
             try:
@@ -206,7 +205,7 @@ def _final(path: str, create_dirs: bool) -> tuple[_Walk, str, bool]:
             if not stat.S_ISLNK(st.st_mode):
                 return walk, name, False
             if walk.in_proc():
-                _check_link(st, walk.shown(name))
+                check_link(st, walk.shown(name))
                 return walk, name, True
             parts = walk.follow(name, st)
             if not parts:
@@ -221,147 +220,15 @@ def _final(path: str, create_dirs: bool) -> tuple[_Walk, str, bool]:
 def make_dirs(path: str, mode: int = 0o777) -> None:
     """``os.makedirs(path, exist_ok=True)`` without recursion (any depth), following only
     trusted links on the way (UnsafeFile otherwise)."""
-    _Walk(path, create=True, mode=mode).close()
+    Walk(path, create=True, mode=mode).close()
 
 
 def check_links(path: str) -> None:
     """Raise UnsafeFile when following ``path`` would pass a symbolic link that belongs to
     someone other than you or root: every link on the way (directories included) and the chain
     of the last component."""
-    walk, _name, _magic = _final(path, create_dirs=False)
+    walk, _name, _magic = walk_to(path, create_dirs=False)
     walk.close()
-
-
-def _check_opened_log(fd: int, path: str) -> None:
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and not _trusted_owner(st.st_uid):
-        raise ForeignFile(f"{path} belongs to another user (uid {st.st_uid})")
-
-
-_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | _CLOEXEC
-
-
-def _open_log_at(path: str) -> int:
-    walk, name, magic = _final(path, create_dirs=True)
-    try:
-        try:
-            fd = os.open(name, _LOG_FLAGS | (0 if magic else _NOFOLLOW), 0o666, dir_fd=walk.fd)
-        except OSError:
-            # EACCES for a file of another user in a sticky directory (fs.protected_regular),
-            # ELOOP for a link swapped in since the walk: name which
-            try:
-                st = os.stat(name, dir_fd=walk.fd, follow_symlinks=False)
-            except OSError:
-                st = None
-            if st is not None and stat.S_ISLNK(st.st_mode):
-                _check_link(st, walk.shown(name))
-            if st is not None and stat.S_ISREG(st.st_mode) and not _trusted_owner(st.st_uid):
-                why = f"{walk.shown(name)} belongs to another user (uid {st.st_uid})"
-                raise ForeignFile(why) from None
-            raise
-        try:
-            _check_opened_log(fd, walk.shown(name))
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-    finally:
-        walk.close()
-
-
-class OpenedLog:
-    """A log file opened for appending: ``fd``, the ``path`` it has, and ``refused``: why the
-    path asked for was not used (another user's link or file there), else None."""
-
-    __slots__ = ("fd", "path", "refused")
-
-    def __init__(self, fd: int, path: str, refused: str | None = None) -> None:
-        self.fd, self.path, self.refused = fd, path, refused
-
-
-def _fresh_name(name: str) -> str:
-    """``ag-0.jsonl`` -> ``ag-0.<16 random hex digits>.jsonl``: nobody can predict it."""
-    stem, dot, ext = name.rpartition(".")
-    token = os.urandom(8).hex()
-    return f"{stem}.{token}.{ext}" if dot and stem else f"{name}.{token}"
-
-
-def _fresh_log(directory: int, shown: str, name: str) -> OpenedLog:
-    fresh = _fresh_name(name)
-    flags = _LOG_FLAGS | os.O_EXCL | _NOFOLLOW
-    fd = os.open(fresh, flags, 0o666, dir_fd=directory)
-    return OpenedLog(fd, os.path.join(shown, fresh))
-
-
-def open_log(path: str) -> OpenedLog:
-    """Open (creating it and its directories) the log file ``path`` for appending.
-
-    Where another user occupies the path (their link anywhere on it, their file at its end),
-    the events go to a fresh file nobody can predict instead: beside it when its directory is
-    reached through trusted links, else in your private directory (:func:`private_dir`);
-    ``refused`` says why. Raises UnsafeFile or OSError when no file can be opened."""
-    why = path_problem(path)
-    if why is not None:
-        raise UnsafeFile(why)
-    try:
-        return OpenedLog(_open_log_at(path), path)
-    except ForeignFile as exc:
-        refused = str(exc)
-    except UnsafeFile:
-        raise
-    except OSError as exc:  # named by the path asked for (the walk knows one component)
-        raise OSError(exc.errno, exc.strerror, path) from None
-    name = os.path.basename(path) or "attnguard.jsonl"
-    try:
-        try:
-            walk = _Walk(os.path.dirname(_abs(path)), create=True)
-        except ForeignFile:
-            with private_dir() as own:
-                opened = _fresh_log(own.fd, own.path, name)
-        else:
-            try:
-                opened = _fresh_log(walk.fd, walk.shown(), name)
-            finally:
-                walk.close()
-    except OSError as exc:
-        why = str(exc) if isinstance(exc, UnsafeFile) else exc.strerror or type(exc).__name__
-        raise UnsafeFile(f"{refused}; no file of this process's own instead: {why}") from None
-    opened.refused = refused
-    return opened
-
-
-def probe_log(path: str) -> None:
-    """Open ``path`` as the guarded program will, then close it; a file created only for the
-    probe is removed again. Raises UnsafeFile or OSError exactly where :func:`open_log` would.
-    Something other than a regular file (a FIFO, a terminal) is not opened: an open and a close
-    would be seen by whoever reads at the other end (a FIFO's reader would get its end)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        st = None
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        try:
-            check_links(path)
-        except ForeignFile:
-            st = None  # another user's link to it: the program goes around it (below)
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        if not os.access(path, os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-        return
-    existed = os.path.lexists(path)
-    opened = open_log(path)
-    try:
-        mine = os.fstat(opened.fd)
-        created = (opened.refused is not None or not existed) and stat.S_ISREG(mine.st_mode)
-    finally:
-        os.close(opened.fd)
-    if created:
-        try:
-            now = os.stat(opened.path, follow_symlinks=False)
-            if now.st_size == 0 and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(opened.path)
-        except OSError:
-            pass
 
 
 def regular_file_problem(path: str) -> str | None:
@@ -371,7 +238,7 @@ def regular_file_problem(path: str) -> str | None:
         st = os.stat(path)
     except OSError:
         return None  # the open reports it
-    return None if stat.S_ISREG(st.st_mode) else f"{_kind(st.st_mode)}, not a regular file"
+    return None if stat.S_ISREG(st.st_mode) else f"{kind_of(st.st_mode)}, not a regular file"
 
 
 def open_regular(path: str) -> int:
@@ -384,7 +251,7 @@ def open_regular(path: str) -> int:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):  # swapped since the stat
         os.close(fd)
-        raise UnsafeFile(f"{_kind(st.st_mode)}, not a regular file")
+        raise UnsafeFile(f"{kind_of(st.st_mode)}, not a regular file")
     return fd
 
 
@@ -402,7 +269,7 @@ class PrivateDir:
         name = os.path.basename(path)
         walk = None
         if parent is None:
-            walk = _Walk(os.path.dirname(_abs(path)))
+            walk = Walk(os.path.dirname(absolute(path)))
             parent = walk.fd
         try:
             try:
@@ -493,7 +360,7 @@ class PrivateDir:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise UnsafeFile(f"{name} is {_kind(st.st_mode)}")
+                raise UnsafeFile(f"{name} is {kind_of(st.st_mode)}")
             me = _uid()
             if me is not None and st.st_uid != me:
                 raise UnsafeFile(f"{name} belongs to another user (uid {st.st_uid})")

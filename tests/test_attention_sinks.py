@@ -189,6 +189,32 @@ def test_sinks_must_be_one_per_query_head() -> None:
         fallback.flash_attn_func(q, k, v, s_aux=s[:2])
 
 
+@pytest.mark.parametrize("shape", [(H, 1), (1, H), (1, H, 1, 1)])
+def test_sinks_of_any_shape_holding_one_per_head(shape: tuple[int, ...]) -> None:
+    """What eager accepts (``sinks.reshape(1, -1, 1, 1)``): any shape holding one logit per
+    head. The dense, packed and KV-cache twins compute it, forward and backward, as (H,)."""
+    q, k, v, s = tensors()
+    shaped = s.detach().reshape(shape).requires_grad_()
+    want = fallback.flash_attn_func(q, k, v, causal=True, s_aux=s)
+    got = fallback.flash_attn_func(q, k, v, causal=True, s_aux=shaped)
+    torch.testing.assert_close(got, want)
+    (g_want,) = torch.autograd.grad(want.sum(), [s])
+    (g_got,) = torch.autograd.grad(got.sum(), [shaped])
+    assert g_got.shape == shape
+    torch.testing.assert_close(g_got.reshape(-1), g_want)
+    q, k, v = (t.detach() for t in (q, k, v))
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+    args = (packed(q), packed(k), packed(v), cu, cu, 6, 6)
+    torch.testing.assert_close(
+        fallback.flash_attn_varlen_func(*args, causal=True, s_aux=shaped.detach()),
+        fallback.flash_attn_varlen_func(*args, causal=True, s_aux=s.detach()),
+    )
+    torch.testing.assert_close(
+        fallback.flash_attn_with_kvcache(q[:, -1:], k, v, causal=True, s_aux=shaped.detach()),
+        fallback.flash_attn_with_kvcache(q[:, -1:], k, v, causal=True, s_aux=s.detach()),
+    )
+
+
 def test_sinks_trace_whole_under_compile() -> None:
     """fullgraph: forward and backward of the dense and packed twins with sinks, one graph."""
     q, k, v, s = tensors(torch.float32)
@@ -286,3 +312,33 @@ def test_gpt_oss_on_the_flash_path_equals_eager_forward_and_backward(gpt_oss: An
         torch.testing.assert_close(p.grad, r.grad, atol=5e-5, rtol=1e-3, msg=name)
     sinks = flash.model.layers[0].self_attn.sinks.grad
     assert sinks is not None and sinks.abs().max() > 1e-4, "the sinks learn"
+
+
+def test_a_custom_attention_passing_sinks_of_shape_heads_by_1(gpt_oss: Any) -> None:
+    """A model of one's own whose attention keeps its sinks as (H, 1) (eager reshapes them and
+    runs): the flash request on the twins raised attnguard's own ValueError at the first
+    forward. Now it computes what eager computes, logits and the sinks' gradient."""
+    models = {}
+    attnguard.activate(log="none")
+    for impl in ("flash_attention_2", "eager"):
+        if impl == "eager":
+            attnguard.deactivate()  # the reference: transformers' own eager code
+        model = transformers.GptOssForCausalLM.from_pretrained(gpt_oss, attn_implementation=impl)
+        for layer in model.model.layers:
+            sinks = layer.self_attn.sinks
+            layer.self_attn.sinks = torch.nn.Parameter(sinks.detach().reshape(-1, 1).clone())
+        models[impl] = model
+    attnguard.activate(log="none")
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(3))
+    logits = {}
+    for impl, model in models.items():
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        logits[impl] = out.logits
+    torch.testing.assert_close(logits["flash_attention_2"], logits["eager"], atol=2e-5, rtol=1e-4)
+    for flash_layer, eager_layer in zip(
+        models["flash_attention_2"].model.layers, models["eager"].model.layers, strict=True
+    ):
+        got, want = flash_layer.self_attn.sinks.grad, eager_layer.self_attn.sinks.grad
+        assert got is not None and got.shape == want.shape == (4, 1)
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-3)

@@ -40,7 +40,7 @@ OFFSETS = (-40, -10, -2, 0, 2, 5, 10, 20, 40)
 def race(entry: str, first: str, second: str, offset_ms: float) -> dict:
     switch = "1" if entry == "hook" else "0"
     env = env_for(ATTNGUARD=switch, ATTNGUARD_LOG="none", IMPORT_RACE_HANG_S=str(HANG_S))
-    if entry == "import":
+    if entry in ("import", "late"):
         env.pop("ATTNGUARD")  # import attnguard means on
     try:
         res = subprocess.run(
@@ -106,6 +106,62 @@ def test_two_threads_importing_transformers_and_modeling_utils(
         assert got["imports"] == unguarded_imports
         assert got["active"] is True
         assert got["patched"] == patched
+
+
+def test_import_attnguard_while_a_thread_still_imports_modeling_utils() -> None:
+    """A worker thread is running ``transformers.modeling_utils``' code when the main thread
+    runs ``import attnguard``: the guard said it was active with both transformers parts
+    patched, yet the part was patched on a module not yet whole (no ``PreTrainedModel``), so a
+    flash_attention_2 load with flash-attn absent failed with transformers' own ImportError and
+    no event. Now the part is patched when that import ends (in the importing thread, before
+    any other thread gets the module; nobody waits): the load goes to the twins."""
+    patched = [
+        "attnguard.integrations.transformers.availability",
+        "attnguard.integrations.transformers.modeling",
+    ]
+    got = sweep("late", "attnguard", "transformers.modeling_utils", (0, 1, 5, 20, 100, 400))
+    assert sum(g["racing"] for g in got) >= 3, got  # the race was run, not missed
+    for g in got:
+        assert g["imports"] == {"attnguard": "ok", "transformers.modeling_utils": "ok"}
+        assert g["active"] is True and g["patched"] == patched
+        assert g["load"] == "ok", g
+
+
+def test_a_module_whose_import_cannot_be_followed_is_said_not_patched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other way out: a module still being imported whose spec cannot be followed (here a
+    stand-in whose class cannot be switched) gets ``cannot_follow``, not its hook, now; the
+    hook runs at a later import of it."""
+    import types
+
+    class Frozen:  # a spec kind whose instances' class cannot be switched
+        __slots__ = ("_initializing", "name")
+
+    spec = Frozen()
+    spec._initializing, spec.name = True, "ag_half_imported"
+    half = types.ModuleType("ag_half_imported")
+    half.__spec__ = spec  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "ag_half_imported", half)
+    fired: list[Any] = []
+    said: list[Any] = []
+    importhooks.register_post_import_hook(fired.append, "ag_half_imported", said.append)
+    assert fired == [] and said == [half]
+    assert fired.append in importhooks._after.pop("ag_half_imported")
+
+
+def test_not_followed_is_one_observed_event(captured: list[dict[str, Any]]) -> None:
+    import types
+
+    from attnguard import runtime
+    from attnguard.integrations.transformers import INTEGRATION
+
+    runtime._not_followed(
+        INTEGRATION, INTEGRATION.parts[1].module, types.ModuleType("transformers.modeling_utils")
+    )
+    (event,) = captured
+    assert event["event"] == "observed" and event["reason_code"] == "import_in_progress"
+    assert "attnguard.integrations.transformers.modeling is not patched" in event["reason"]
 
 
 def test_the_finder_imports_nothing_and_waits_for_no_lock(

@@ -53,6 +53,14 @@ if mode == "barrier":
 if mode == "destroy":
     dist.barrier()
     dist.destroy_process_group()
+if mode == "finish_destroy":  # the OpenTelemetry recipe, then the usual ending, on every rank
+    flag = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank1-ended")
+    while rank == 0 and not os.path.exists(flag):
+        time.sleep(0.01)  # rank 0 is the slower one (it saves the checkpoint)
+    attnguard.finish()
+    dist.destroy_process_group()
+    if rank == 1:
+        open(flag, "w").close()
 """
 
 
@@ -318,6 +326,22 @@ def test_destroyed_process_group_still_gives_one_job_summary(tmp_path: Path) -> 
     assert job["ranks"] == [0, 1] and job["applied"] == 11
     # the rendezvous directory is gone again
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".attnguard")] == []
+
+
+def test_finish_then_destroy_keeps_the_exit_record_and_waits_for_nothing(tmp_path: Path) -> None:
+    """Every rank calls ``attnguard.finish()``, then ``dist.destroy_process_group()``: rank 1's
+    destroy used to overwrite the exit record its ``finish()`` had just posted with the record of
+    its group's end, so rank 0 waited its whole deadline and said rank 1 was "counted as of
+    their destroy_process_group(): no exit report". A posted exit record stands."""
+    _launch(tmp_path, "finish_destroy", timeout="30")
+    (job,) = _summaries(tmp_path / "events-0.jsonl")
+    assert _summaries(tmp_path / "events-1.jsonl") == []
+    assert job["ranks"] == [0, 1] and job["missing_ranks"] == []
+    assert job["as_of_group_end"] == []
+    assert job["applied"] == 11
+    assert job["reason"].startswith("11 change(s) applied by attnguard over 2 of 2 ranks")
+    assert "no report" not in job["reason"] and "destroy_process_group" not in job["reason"]
+    assert job["waited_s"] < 30  # it never ran into its deadline
 
 
 def test_a_rank_that_never_reports_is_named_not_waited_for(tmp_path: Path) -> None:

@@ -29,19 +29,22 @@ def needs_grad(sinks: Tensor | None, *tensors: Tensor | None) -> bool:
 
 
 def check(sinks: Tensor | None, heads: int) -> None:
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != heads):
+    """Sinks of any shape holding one logit per query head, as eager attention takes them
+    (``sinks.reshape(1, -1, 1, 1)``): (H,), (H, 1), (1, H), ..."""
+    if sinks is not None and sinks.numel() != heads:
         raise ValueError(
-            f"s_aux must hold one sink logit per query head: shape ({heads},), "
-            f"got {tuple(sinks.shape)}"
+            f"s_aux must hold one sink logit per query head: {heads} values, as shape "
+            f"({heads},) or any shape that reshapes to it, got {tuple(sinks.shape)}"
         )
 
 
 def apply(out: Tensor, lse: Tensor, sinks: Tensor, *, packed: bool) -> tuple[Tensor, Tensor]:
     """(out_sink, lse_sink) from a twin's (out, lse): dense ``out`` (B, S, H, Dv) with ``lse``
-    (B, H, S); ``packed`` ``out`` (T, H, Dv) with ``lse`` (H, T). ``sinks`` (H,)."""
+    (B, H, S); ``packed`` ``out`` (T, H, Dv) with ``lse`` (H, T). ``sinks``: H values, any
+    shape (:func:`check`)."""
     cdt = torch.float64 if out.dtype == torch.float64 else torch.float32
     lse = lse.to(cdt)
-    s = sinks.to(device=lse.device, dtype=cdt)
+    s = sinks.reshape(-1).to(device=lse.device, dtype=cdt)
     s = s[:, None] if packed else s[None, :, None]
     gate = torch.sigmoid(lse - s)  # (H, T) or (B, H, S)
     gate = gate.transpose(0, 1) if packed else gate.transpose(1, 2)

@@ -39,9 +39,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .. import launch, safefiles
+from .. import launch
 from ..config import Settings
 from ..launch import IDENTITY_VARS, launch_context, launch_identity
+from . import logfile
 from .reasons import known as known_reason
 from .sinks import LEVELNO as _LEVELNO
 from .sinks import StreamSink, render_console, render_json, stdlib_logger
@@ -201,7 +202,9 @@ def _get_chain() -> Any:
 class _State:
     def __init__(self) -> None:
         self.settings = Settings()
-        self.lock = threading.Lock()
+        # re-entrant: a signal handler (a SIGTERM handler calling attnguard.finish()) runs in
+        # the main thread, also while it holds the lock
+        self.lock = threading.RLock()
         # (event, site, reason_code) -> count
         self.counts: dict[tuple[str, str | None, str | None], int] = {}
         # (event, site, reason_code) -> [applied, would_have, observed, internal_errors]
@@ -226,9 +229,9 @@ _state = _State()
 def _after_fork_in_child() -> None:
     """A forked child is a process of its own: a new id, none of its parent's counts (they are
     the parent's to report), and no lock another thread of the parent held at the fork."""
-    _state.lock = threading.Lock()
+    _state.lock = threading.RLock()
     for sink in _state.streams:
-        sink._lock = threading.Lock()
+        sink._lock = threading.RLock()
     _state.proc = new_process_id()
     _state.counts = {}
     _state.kinds = {}
@@ -297,7 +300,7 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
                 made.append(sink)
             elif eager and target != "stderr":
                 with sink._lock:
-                    sink._open()
+                    sink.open_now()
         except OSError as exc:
             for s in made:
                 s.close()
@@ -358,7 +361,7 @@ def probe_log_files(settings: Settings) -> None:
     for target in settings.log_targets:
         if target != "stderr":
             try:
-                safefiles.probe_log(StreamSink(target, "json").path())
+                logfile.probe_log(StreamSink(target, "json").path())
             except OSError as exc:
                 raise _unwritable(settings, target, exc) from None
 

@@ -42,6 +42,7 @@ class Gathered:
     expected: list[int] = field(default_factory=list)  # other ranks it waited for
     ignored: list[str] = field(default_factory=list)  # records left out, and why
     as_of_group_end: list[int] = field(default_factory=list)  # counted from that record
+    gone: list[int] = field(default_factory=list)  # announced, then ended without reporting
     waited_s: float = 0.0
     store_error: str | None = None
 
@@ -136,21 +137,34 @@ class Channels:
             return None
         return data
 
-    def alive(self, rank: int) -> bool:
-        """The rank announced it runs on this host, and its process still does."""
+    def _runs(self, rank: int) -> bool | None:
+        """Whether the process that announced it runs this rank on this host still does; None
+        where it did not say so (no ``alive-<rank>``, or another host's)."""
         try:
             data = self._file(jobdir.alive_name(rank))
         except OSError:
-            return False
+            return None
         try:
             host, pid = (data or b"").decode("ascii").split()
-            return host == socket.gethostname() and jobdir.runs_here(int(pid))
+            return jobdir.runs_here(int(pid)) if host == socket.gethostname() else None
         except (ValueError, UnicodeDecodeError):
-            return False
+            return None
+
+    def alive(self, rank: int) -> bool:
+        """The rank announced it runs on this host, and its process still does."""
+        return bool(self._runs(rank))
+
+    def gone(self, rank: int) -> bool:
+        """The rank's process on this host ended without its exit handlers (killed,
+        ``os._exit``): its alive file is still there, its process is not."""
+        return self._runs(rank) is False
 
     def expected(self, rank: int) -> bool:
         """Rank 0 has reason to think this rank's record is on its way."""
-        if rank in self.joined or self.alive(rank):
+        runs = self._runs(rank)
+        if runs is False:
+            return False  # its process here ended without its exit handlers
+        if rank in self.joined or runs:
             return True
         return self.unseen_elsewhere and jobdir.alive_name(rank) not in self.names
 
@@ -194,6 +208,7 @@ def gather(world: int, own: RankRecord, channels: Channels, timeout_s: float) ->
     at_group_end: dict[int, RankRecord] = {}
     waited: set[int] = set()
     expected: set[int] = set()
+    gone: set[int] = set()
 
     def take(r: int, data: bytes) -> None:
         try:
@@ -223,6 +238,9 @@ def gather(world: int, own: RankRecord, channels: Channels, timeout_s: float) ->
             elif data is not None:
                 take(r, data)
             elif channels.announced(r):
+                if channels.gone(r):  # killed: no record will come
+                    gone.add(r)
+                    continue
                 wanted.add(r)
                 waited.add(r)
             elif r not in at_group_end and channels.expected(r):
@@ -236,7 +254,8 @@ def gather(world: int, own: RankRecord, channels: Channels, timeout_s: float) ->
             got.records[r] = at_group_end[r]
             if r in waited:
                 got.as_of_group_end.append(r)
-    got.waited_for = sorted(waited - set(got.as_of_group_end))
+    got.gone = sorted(gone - set(got.records))
+    got.waited_for = sorted(waited - set(got.as_of_group_end) - set(got.gone))
     got.expected = sorted(expected)
     got.waited_s = time.monotonic() - start
     got.store_error = channels.error

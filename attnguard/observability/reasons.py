@@ -54,6 +54,14 @@ _TABLE: tuple[Reason, ...] = (
         "upgrade attnguard for this flash-attn / xformers release",
     ),
     Reason(
+        "import_in_progress",
+        ("observed",),
+        "a library's module was still being imported by another thread when attnguard "
+        "activated, and its import could not be followed: that part is not patched",
+        "activate attnguard before threads import the library (ATTNGUARD=1, or import "
+        "attnguard first)",
+    ),
+    Reason(
         "log_path_refused",
         ("observed",),
         "the ATTNGUARD_LOG path is another user's (their link on the way, or their file): "

@@ -3,9 +3,11 @@
 Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
 and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
 line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
-Files are opened by :func:`attnguard.safefiles.open_log` (its rules: docs/files.md); a path
-another user occupies is replaced by a fresh file of this process's own, which the sink reports
-(:meth:`StreamSink.take_refusal`) for :mod:`attnguard.observability.events` to say.
+Files are opened by :func:`attnguard.observability.logfile.open_log` (its rules: docs/files.md);
+a path another user occupies is replaced by a fresh file of this process's own, which the sink
+reports (:meth:`StreamSink.take_refusal`) for :mod:`attnguard.observability.events` to say. A FIFO
+of yours that nobody reads yet is opened again at each later line, its lines held meanwhile
+(bounded); those still held at the end are counted on stderr.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .. import safefiles
 from ..launch import launch_context
+from . import logfile
 
 LEVELNO = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+HELD_BYTES = 1 << 20  # lines held for a FIFO's reader that has not come yet
 
 stdlib_logger = logging.getLogger("attnguard")
 # Keeps logging's last-resort handler from printing our records a second time on stderr when the
@@ -134,9 +137,12 @@ class StreamSink:
         self._broken = False  # a file that failed once is not written again
         self._closed = False  # replaced by a settings change: late lines are dropped
         self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
-        self._lock = threading.Lock()
+        self._held: list[bytes] = []  # lines for a FIFO nobody reads yet
+        self._held_bytes = 0
+        self._dropped = 0  # lines beyond HELD_BYTES
+        self._lock = threading.RLock()  # a signal handler may emit while the main thread writes
         if eager and target != "stderr":
-            self._open()
+            self.open_now()
 
     def update(self, fmt: str, threshold: str, ranks: tuple[int, ...] | None) -> None:
         self.render = render_json if fmt == "json" else render_console
@@ -152,11 +158,19 @@ class StreamSink:
         if self._fd is not None and p != self._opened:
             self._close()  # the rank was set after start-up (Ray): its own file from now on
         if self._fd is None:
-            opened = safefiles.open_log(p)
+            opened = logfile.open_log(p)  # NoReader: a FIFO nobody reads yet
             self._fd, self._opened = opened.fd, p
             if opened.refused is not None:
                 self.refused = (p, opened.path, opened.refused)
         return self._fd
+
+    def open_now(self) -> None:
+        """Open the file now (an unusable path raises OSError); a FIFO nobody reads yet is
+        opened at a later line."""
+        try:
+            self._open()
+        except logfile.NoReader:
+            pass
 
     def take_refusal(self) -> tuple[str, str, str] | None:
         """(path asked for, path used, why) once after the path was refused, else None."""
@@ -180,11 +194,38 @@ class StreamSink:
             if self.target == "stderr":
                 self._to_stderr(line)
             elif not self._broken:
-                try:
-                    _write_all(lambda b: os.write(self._open(), b), line.encode("utf-8"))
-                except OSError:
-                    self._broken = True  # full disk, file gone: stop, never raise
-                    self._close()
+                self._to_file(line.encode("utf-8"))
+
+    def _to_file(self, data: bytes | None) -> None:
+        """Write ``data`` (None: only what is held), the held lines first; hold it while the
+        file is a FIFO nobody reads. Called with the lock held."""
+        try:
+            fd = self._open()
+        except logfile.NoReader:
+            if data is not None:
+                if self._held_bytes + len(data) > HELD_BYTES:
+                    self._dropped += 1
+                else:
+                    self._held.append(data)
+                    self._held_bytes += len(data)
+            return
+        except OSError:
+            self._give_up()
+            return
+        try:
+            while self._held:
+                logfile.write_all(fd, self._held[0])
+                self._held_bytes -= len(self._held.pop(0))
+            if data is not None:
+                logfile.write_all(fd, data)
+        except OSError:
+            self._give_up()  # full disk, file gone, a reader that takes nothing: never raise
+
+    def _give_up(self) -> None:
+        self._broken = True
+        self._held.clear()
+        self._held_bytes = self._dropped = 0
+        self._close()
 
     def _to_stderr(self, line: str) -> None:
         stream = sys.stderr
@@ -212,5 +253,16 @@ class StreamSink:
 
     def close(self) -> None:
         with self._lock:
+            if self._held and not self._broken and not self._closed:
+                self._to_file(None)  # a reader that came since the last line
+            unwritten = len(self._held) + self._dropped
+            if unwritten and not self._broken:
+                self._to_stderr(
+                    f"attnguard WARNING: ATTNGUARD_LOG: no process opened the FIFO "
+                    f"{self.path()} for reading; {unwritten} event line(s) of "
+                    "this process were not written\n"
+                )
+            self._held.clear()
+            self._held_bytes = self._dropped = 0
             self._closed = True
             self._close()

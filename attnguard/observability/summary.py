@@ -25,7 +25,8 @@ its group announces when the group is made, :func:`on_group_start`), and, when i
 under a launcher, that it is alive (:func:`announce_alive`: its host and pid, removed at its exit
 when it has nothing to report). A rank that destroys its process group posts its record as it
 stands then (:func:`on_group_end`), and again at exit unless nothing changed since and it had
-announced nothing. At exit rank 0 takes every record already there and waits, at most
+announced nothing; a rank whose exit record is posted already (``attnguard.finish()`` before
+the destroy) posts nothing more: its exit record stands. At exit rank 0 takes every record already there and waits, at most
 :data:`GATHER_TIMEOUT_S`, only for ranks that announced events and have not posted their exit
 record, or that joined the process group (the store's ``joined`` roll, :func:`on_group_start`)
 or still run on this host, with no record (and, meeting in torchrun's store with no process
@@ -187,14 +188,22 @@ def _ranks(ranks: list[int]) -> str:
 def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     fields = aggregate(got.records)
     missing = [r for r in range(world_size) if r not in got.records]
-    late = [r for r in missing if r in got.waited_for]
+    late = [r for r in missing if r in got.waited_for and r not in got.gone]
+    gone = [r for r in missing if r in got.gone]
     expected = [r for r in missing if r in got.expected and r not in got.waited_for]
-    silent = [r for r in missing if r not in got.waited_for and r not in got.expected]
+    silent = [
+        r for r in missing if r not in got.waited_for and r not in got.expected and r not in gone
+    ]
     head = headline(fields, f"over {len(got.records)} of {world_size} ranks")
     if late:
         head += f" ({_ranks(late)}: no report within {timeout_s:g} s, though they announced events)"
     if expected:
         head += f" ({_ranks(expected)}: no report within {timeout_s:g} s)"
+    if gone:
+        head += (
+            f" ({_ranks(gone)}: their process ended without reporting (killed?), though they "
+            "announced events)"
+        )
     if got.as_of_group_end:
         head += (
             f" ({_ranks(got.as_of_group_end)} counted as of their destroy_process_group(): no "
@@ -221,6 +230,7 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
         waited_for=sorted(got.waited_for),
         waited_s=round(got.waited_s, 3),
         as_of_group_end=got.as_of_group_end,
+        gone_ranks=got.gone,
         ignored_records=got.ignored,
         gathered_by=got.via,
         advice=rows,
@@ -289,16 +299,18 @@ def on_group_start() -> None:
         pass
 
 
-_posted = {"at_group_end": b""}  # the record this rank posted when it destroyed its group
+# the record this rank posted when it destroyed its group; whether it handed its exit record on
+_posted: dict[str, Any] = {"at_group_end": b"", "exit": False}
 
 
 def on_group_end() -> None:
     """Just before the default process group is destroyed: keep its store, and post this rank's
-    record as it stands (rank 0 counts it if no exit record comes). Never raises."""
+    record as it stands (rank 0 counts it if no exit record comes), unless its exit record is
+    posted already (``attnguard.finish()`` came first): that one stands. Never raises."""
     try:
         jobstore.keep_default_store()
         store = jobstore.job_store()
-        if store is None or not _rank_of_job():
+        if store is None or not _rank_of_job() or _posted["exit"]:
             return
         if _has_events():
             _announce_in_store()
@@ -317,7 +329,7 @@ def _post(store: jobstore.JobStore, record: bytes) -> None:
 
 def _after_fork_in_child() -> None:
     _announced.update(files=False, store=False)
-    _posted["at_group_end"] = b""
+    _posted.update(at_group_end=b"", exit=False)
 
 
 if hasattr(os, "register_at_fork"):
@@ -353,6 +365,7 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
         try:
             if not _unchanged_since_group_end(record):
                 _post(store, record)
+            _posted["exit"] = True
             jobdir.retire_alive(rank, None)
             return  # posted: rank 0 tells the story once
         except jobstore.StoreUnavailable as exc:
@@ -370,6 +383,7 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
     if rank != 0 and directory is not None:
         try:
             directory.write(f"rank-{rank}.json", _record(rank))
+            _posted["exit"] = True
             jobdir.retire_alive(rank, directory)
         except OSError as exc:
             why = f"cannot write to {directory.path}: {exc.strerror or exc}"

@@ -55,10 +55,22 @@ class Decision:
         """The time one call of the bucket takes on the kernel that serves it, as measured (0:
         not measured)."""
         for name in (self.winner, "requested"):
-            ms = self.measured.get(name, {}).get("ms")
-            if isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0:
-                return float(ms)
+            ms = _finite(self.measured.get(name, {}).get("ms"))
+            if ms is not None and ms > 0:
+                return ms
         return self.probe_ms
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, else None (a stored number may be any JSON number: an
+    integer too large for a float, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 class _State:
@@ -150,12 +162,25 @@ def parse(raw: bytes, call: Call, fp: dict[str, Any] | None) -> Decision:
     why = data.get("why") if isinstance(data.get("why"), dict) else {}
     measured = data.get("measured") if isinstance(data.get("measured"), dict) else {}
     cost = data.get("cost") if isinstance(data.get("cost"), dict) else {}
+    costs = {str(k)[:40]: _finite(v) for k, v in cost.items()}
     return Decision(
         winner,
         {str(k)[:40]: str(v)[:200] for k, v in why.items()},
-        {str(k)[:40]: v for k, v in measured.items() if isinstance(v, dict)},
-        {str(k)[:40]: float(v) for k, v in cost.items() if isinstance(v, (int, float))},
+        {str(k)[:40]: _measurement(v) for k, v in measured.items() if isinstance(v, dict)},
+        {k: v for k, v in costs.items() if v is not None},
     )
+
+
+def _measurement(stored: dict[Any, Any]) -> dict[str, Any]:
+    """One candidate's stored measurement as events may carry it: its numbers finite floats
+    (else None), its error a short string; nothing else."""
+    out: dict[str, Any] = {k: _finite(stored.get(k)) for k in _MEASURED if k in stored}
+    if "error" in stored:
+        out["error"] = str(stored["error"])[:200]
+    return out
+
+
+_MEASURED = ("ms", "out_diff", "grad_diff")
 
 
 def ignored(why: str) -> None:

@@ -175,6 +175,46 @@ def test_a_second_process_takes_the_decision_from_the_disk_cache(tmp_path):
     assert got[0]["selected"] == got[1]["selected"]
 
 
+@pytest.mark.parametrize("plant", ["not_json", "huge_numbers", "nan_numbers", "link"])
+def test_a_planted_or_corrupted_cache_file_costs_no_run(tmp_path, plant):
+    """A decision file under XDG_CACHE_HOME replaced after a first process made it (corrupt,
+    numbers too large for a float or NaN, a link elsewhere): the next process exits 0 and
+    serves the call; what it cannot use it measures again (one ``kernel_cache_ignored``), what
+    it adopts carries finite numbers into its events; never an ``internal_error``."""
+    cache = tmp_path / "cache"
+    first = _fastest_process(_PROGRAM, cache)
+    (path,) = cache.glob("attnguard/kernels/*/*.json")
+    stored = json.loads(path.read_text())
+    if plant == "not_json":
+        path.write_text("{corrupt")
+    elif plant in ("huge_numbers", "nan_numbers"):
+        big = int("9" * 400) if plant == "huge_numbers" else float("nan")
+        for entry in stored["measured"].values():
+            entry["ms"] = big
+        stored["cost"] = {"race_s": big}
+        path.write_text(json.dumps(stored))
+    else:
+        elsewhere = tmp_path / "elsewhere.json"
+        elsewhere.write_text(json.dumps(stored))
+        path.unlink()
+        path.symlink_to(elsewhere)
+    got = _fastest_process(_PROGRAM_EVENTS, cache)
+    assert got["internal_errors"] == [], got
+    if plant in ("not_json", "link"):
+        assert got["source"] == "measured" and got["ignored"], got
+    else:
+        assert got["source"] == "disk cache" and got["selected"] == first["selected"], got
+
+
+_PROGRAM_EVENTS = _PROGRAM.replace(
+    'print("RESULT " + json.dumps({"source": ev[0]["source"], "selected": ev[0]["selected"]}))',
+    "line = json.loads(json.dumps(ev[0], default=str), parse_constant=lambda c: 1 / 0)\n"
+    'print("RESULT " + json.dumps({"source": ev[0]["source"], "selected": ev[0]["selected"],\n'
+    '    "internal_errors": [e for e in seen if e["event"] == "internal_error"],\n'
+    '    "ignored": [e for e in seen if e.get("reason_code") == "kernel_cache_ignored"]}, default=str))',
+)
+
+
 _SEQUENCE = r"""
 import json, torch
 import attnguard  # ATTNGUARD=1: on, from the environment (start-up hook installed or not)

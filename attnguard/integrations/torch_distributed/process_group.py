@@ -5,7 +5,8 @@ Most training scripts end with ``dist.destroy_process_group()``: the group's sto
 which each rank's record reaches rank 0 at exit, is gone by then. So when the default group is
 made, and just before it is destroyed, the store is kept (:mod:`attnguard.observability.jobstore`), a rank
 whose events came before the group announces them, and a rank ending its group posts its record
-as it stands (:func:`attnguard.observability.summary.on_group_end`). Nothing here is a collective, changes
+as it stands (:func:`attnguard.observability.summary.on_group_end`) unless its exit record is
+there already (``attnguard.finish()`` came first). Nothing here is a collective, changes
 the call's arguments or result, or raises: the original runs whatever happens in ours.
 """
 
