@@ -247,7 +247,13 @@ def assess_backend(
             f"{label} failed a tiny test call on {gpu.name}: {package.probe_error}",
             package.version,
         )
-    return Backend(name, True, OK, f"{label} {package.version or ''} usable".replace("  ", " "))
+    return Backend(
+        name,
+        True,
+        OK,
+        f"{label} {package.version or ''} usable".replace("  ", " "),
+        package.version,
+    )
 
 
 # integration name (ATTNGUARD_DISABLE) of the library each backend's probe imports
