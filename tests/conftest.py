@@ -42,10 +42,25 @@ ONCE = {
 }
 
 
+# Test files whose subject is what differs between torch releases (SDPA's arguments, torch's flash
+# kernel, what torch.compile can trace): marked `torch`; CI's torch lanes (the newest torch, the
+# floor, one between) run them with the smoke suite (`-m "smoke or torch"`).
+TORCH = {
+    "test_attention_sinks.py",
+    "test_compile.py",
+    "test_fallback.py",
+    "test_kvcache_twin.py",
+    "test_torch_releases.py",
+    "test_twin_routes.py",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in ONCE:
             item.add_marker(pytest.mark.once)
+        if item.path.name in TORCH:
+            item.add_marker(pytest.mark.torch)
 
 
 @pytest.fixture(autouse=True)
