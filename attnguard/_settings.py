@@ -85,9 +85,9 @@ class InForce:
 
     The runtime owns the one instance (``attnguard.runtime.IN_FORCE``) and hands it to the
     integrations, which hand it to the call guard with each entry point: guarded calls read
-    ``in_force.settings`` at every call, so a change of settings is atomic for running code."""
-
-    __slots__ = ("settings",)
+    ``in_force.settings`` at every call, so a change of settings is atomic for running code.
+    No ``__slots__``: torch.compile of torch 2.4 cannot read a slot's value on the traced path
+    (a graph break; an error with ``fullgraph=True``)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -46,15 +46,31 @@ DEEPSPEED = "0.19.8"  # tests/test_ranks.py's ZeRO-3 run (observed, never patche
 DIFFUSERS_CI = "0.42.1"  # scripts/test.sh
 DIFFUSERS_BY_HAND = ("0.35.2", "0.37.1")  # tests/test_diffusers.py with these on the path
 
-TORCH_CI = "2.13.0"  # CPU build, pinned by scripts/test.sh
+TORCH_CI = "2.13.0"  # CPU build: the transformers lanes (scripts/test.sh installs it where none is)
 TORCH_GPU = "2.11.0"  # +cu130, the GPU image
+# CI's torch lanes (.ci/run), each with the transformers it runs (the smoke suite and the tests of
+# what differs between torch releases): the newest torch at CI time (unpinned; this is the one it
+# resolved to when this table was last updated, with the newest transformers), the declared floor
+# with the newest transformers that runs on it (5.24 refuses torch < 2.6; 5.14 is broken on 2.4),
+# and one release between
+TORCH_NEWEST = "2.15.0"
+TORCH_LANES = (("2.4.0", "5.13.1"), ("2.8.0", "5.24.0"))
+# the xformers each torch lane's test command picks (the newest release up to 0.0.35 that installs
+# beside that torch: each pins the torch it was built for)
+XFORMERS_FOR_OLDER_TORCH = ("0.0.27.post2", "0.0.32.post2")
 
 MATRIX: tuple[Component, ...] = (
     # The floor is the oldest Python a test run uses: 3.10 reached its end of life in October
     # 2026, and no CPU build of the pinned torch exists for it where CI runs.
     Component("python", ">=3.11", ("3.11", "3.12"), "CI on 3.11 (CPU); the GPU suite on 3.12"),
     Component(
-        "torch", ">=2.4", (TORCH_CI, TORCH_GPU), "CI on 2.13.0 (CPU); the GPU suite on 2.11.0"
+        "torch",
+        ">=2.4",
+        (TORCH_CI, TORCH_NEWEST, *(t for t, _ in TORCH_LANES), TORCH_GPU),
+        "CI: 2.13.0 (CPU) in every transformers lane; the newest torch at CI time (unpinned) "
+        "with the newest transformers, the floor 2.4.0 with transformers 5.13.1 and 2.8.0 with "
+        "5.24.0: the smoke suite and the tests of what differs between torch releases; the GPU "
+        "suite on 2.11.0",
     ),
     Component(
         "transformers",
@@ -74,15 +90,16 @@ MATRIX: tuple[Component, ...] = (
     Component(
         "xformers",
         window("xformers"),
-        ("0.0.35",),
-        "CI: the PyPI wheel, whose ops do not run on a CPU (the unusable case)",
+        ("0.0.35", *XFORMERS_FOR_OLDER_TORCH),
+        "CI: the PyPI wheel, whose ops do not run on a CPU (the unusable case); 0.0.35 needs "
+        "torch >= 2.10: 0.0.27.post2 with torch 2.4.0, 0.0.32.post2 with 2.8.0",
     ),
     Component(
         "diffusers",
         window("diffusers"),
         (DIFFUSERS_CI, *DIFFUSERS_BY_HAND),
         f"CI: {DIFFUSERS_CI} with the newer transformers lanes (diffusers needs huggingface-hub "
-        ">=1.32, which transformers 4.x excludes: its tests skip there); "
+        ">=1.32, which transformers 4.x excludes, and torch >= 2.6: its tests skip there); "
         f"{', '.join(DIFFUSERS_BY_HAND)}: the in-process diffusers tests, by hand; the GPU suite: "
         f"{DIFFUSERS_CI} where it is carried",
     ),

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The test command (README "Run the tests"). Into the active Python environment it installs only
-# attnguard (editable) with its `test` extras and torch 2.13.0 (CPU, pinned so no multi-GB CUDA
-# build is pulled). The test-only packages that recreate real failure cases go into .test-deps/
-# of this checkout, never into the environment, and only the test run sees them:
+# The test command (README "Run the tests"). It tests the torch of the active Python environment,
+# whatever release it is (attnguard supports torch >= 2.4; CI runs the newest, the floor and one
+# between), and says which: into the environment it installs only attnguard (editable) with its
+# `test` extras, keeping its torch; TORCH_VERSION=X installs torch X first; torch 2.13.0 only where
+# the environment has none. The test-only packages that recreate real failure cases go into
+# .test-deps/ of this checkout, never into the environment, and only the test run sees them; each
+# is a version that runs with this torch, or its tests skip and say why:
 #
-#   .test-deps/xformers-0.0.35-pyXY/   xformers from PyPI without its torch pin: its CUDA ops
+#   .test-deps/xformers-<version>-pyXY/   xformers from PyPI without its torch pin: its CUDA ops
 #       never load on a CPU machine ("xformers installed but unusable"); on the PYTHONPATH of
-#       the pytest run
+#       the pytest run. 0.0.35 (it needs torch >= 2.10); for an older torch, the newest release
+#       built for it (each pins its torch: 0.0.27.post2 for 2.4.0, 0.0.32.post2 for 2.8.0), as
+#       pip resolves it beside this torch (once per torch release: remembered in .test-deps/)
 #   .test-deps/deepspeed-0.19.8-pyXY/  DeepSpeed without its CUDA ops (ZeRO-3 on CPU with gloo)
 #       and the packages it needs that the environment lacks; on the PYTHONPATH of
 #       tests/test_ranks.py's DeepSpeed workers only ($TEST_DEEPSPEED_DIR)
@@ -15,24 +20,36 @@
 #   .test-deps/diffusers-0.42.1-pyXY/  diffusers and what it needs that the environment lacks,
 #       resolved together with this environment's torch and transformers; on the PYTHONPATH of
 #       the pytest run. Where pip cannot install diffusers beside this transformers (diffusers
-#       0.42.1 needs huggingface-hub>=1.32, transformers 4.x requires it below 1.0) there is none:
-#       TEST_DIFFUSERS_ABSENT says why and the diffusers tests skip with that reason (elsewhere
+#       0.42.1 needs huggingface-hub>=1.32, transformers 4.x requires it below 1.0), or it does
+#       not import with this torch (it needs torch >= 2.6), there is none: TEST_DIFFUSERS_ABSENT
+#       says why and the diffusers tests skip with that reason (elsewhere
 #       TEST_DIFFUSERS_EXPECTED=1: diffusers not importing fails them)
 #
-# Then it runs pytest with any arguments given.
+# Then it runs pytest with any arguments given, and names the torch and transformers it tested.
 #
 #   TRANSFORMERS_VERSION=4.57.6 bash scripts/test.sh   # pin transformers too (CI's matrix)
+#   TORCH_VERSION=2.8.0 bash scripts/test.sh            # install this torch first (CI's torch lanes)
 #   TEST_DEPS_DIR=/elsewhere bash scripts/test.sh       # .test-deps/ somewhere else (CI streams)
 #   TEST_REUSE_INSTALL=1 TRANSFORMERS_VERSION=...       # CI's smoke lanes: swap transformers only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-TORCH="torch==2.13.0"
+version_of() { "$PY" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1"; }
+no_torch_default=2.13.0 # only where the environment has no torch (README "Install")
+had=$(version_of torch 2>/dev/null || true)
+if [ -n "${TORCH_VERSION:-}" ]; then
+  torch_pin="torch==$TORCH_VERSION" torch_from="TORCH_VERSION"
+elif [ -n "$had" ]; then
+  torch_pin="torch==${had%%+*}" torch_from="the environment's" # pip keeps it
+else
+  torch_pin="torch==$no_torch_default" torch_from="none was installed"
+fi
 pin=()
 [ -n "${TRANSFORMERS_VERSION:-}" ] && pin=("transformers==${TRANSFORMERS_VERSION}")
-install() { "$PY" -m pip install -q "$TORCH" "${pin[@]}" -e ".[test]"; }
+install() { "$PY" -m pip install -q "$torch_pin" "${pin[@]}" -e ".[test]"; }
 met() { "$PY" scripts/requirements_met.py "$@" >/dev/null 2>&1; }
-if [ "${TEST_REUSE_INSTALL:-0}" = 1 ] && [ -n "${TRANSFORMERS_VERSION:-}" ] && met "attnguard[test]"; then
+if [ "${TEST_REUSE_INSTALL:-0}" = 1 ] && [ -n "${TRANSFORMERS_VERSION:-}" ] && met "attnguard[test]" &&
+  met "$torch_pin"; then
   # CI's smoke lanes (TEST_REUSE_INSTALL=1): this checkout is installed in the venv already and
   # only transformers changes; everything is installed as above wherever that leaves a
   # requirement unmet
@@ -41,12 +58,44 @@ if [ "${TEST_REUSE_INSTALL:-0}" = 1 ] && [ -n "${TRANSFORMERS_VERSION:-}" ] && m
 else
   install
 fi
+tv=$(version_of torch)
+tv_pin="torch==${tv%%+*}" # this torch, for pip's plans below
 deps="${TEST_DEPS_DIR:-$PWD/.test-deps}" # CI gives each of its parallel streams its own
 py=$("$PY" -c 'import sys; print("py%d%d" % sys.version_info[:2])') # compiled parts differ
+mkdir -p "$deps"
+imports() { # imports DIR MODULE: nothing where MODULE imports with DIR on the path, else its error
+  local out
+  out=$(PYTHONPATH="$1${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import $2" 2>&1) || echo "${out##*$'\n'}"
+}
 
-xformers="$deps/xformers-0.0.35-$py"
-if [ ! -d "$xformers/xformers" ]; then
-  "$PY" -m pip install -q --no-deps --target "$xformers" "xformers==0.0.35"
+# xformers: the newest release up to 0.0.35 that pip installs beside this torch, resolved once
+# per torch release (each xformers wheel pins the torch it was built for)
+xformers_newest=0.0.35
+memo="$deps/xformers-for-torch-${tv%%+*}-$py"
+if [ ! -s "$memo" ]; then
+  plan="$deps/xformers-plan.json"
+  if "$PY" -m pip install --dry-run -q --report "$plan" "$tv_pin" \
+    "xformers>=0.0.27,<=$xformers_newest" >"$deps/xformers-plan.log" 2>&1; then
+    "$PY" -c 'import json, sys
+print(*[p["metadata"]["version"] for p in json.load(open(sys.argv[1]))["install"]
+        if p["metadata"]["name"] == "xformers"])' "$plan" >"$memo"
+  fi
+  [ -s "$memo" ] || echo "none: no xformers release up to $xformers_newest installs beside torch $tv" >"$memo"
+  rm -f "$plan" "$deps/xformers-plan.log"
+fi
+xformers_version=$(cat "$memo")
+xformers=""
+if env_xformers=$(version_of xformers 2>/dev/null); then
+  xformers_version="$env_xformers (the environment's)" # on the path already
+elif [ "${xformers_version%%:*}" != none ]; then
+  xformers="$deps/xformers-$xformers_version-$py"
+  if [ ! -d "$xformers/xformers" ]; then
+    "$PY" -m pip install -q --no-deps --target "$xformers" "xformers==$xformers_version"
+    why=$(imports "$xformers" xformers.ops)
+    [ -z "$why" ] || echo "none: xformers $xformers_version does not import with torch $tv: $why" >"$memo"
+  fi
+  xformers_version=$(cat "$memo")
+  [ "${xformers_version%%:*}" != none ] || xformers=""
 fi
 
 # What pip would add to this environment for DeepSpeed goes into its directory instead; made
@@ -54,7 +103,7 @@ fi
 deepspeed="$deps/deepspeed-0.19.8-$py"
 if ! PYTHONPATH="$deepspeed" "$PY" scripts/requirements_met.py "deepspeed==0.19.8" >/dev/null; then
   rm -rf "$deepspeed"
-  missing=$(DS_BUILD_OPS=0 "$PY" -m pip install --dry-run -q --report - "$TORCH" "deepspeed==0.19.8" |
+  missing=$(DS_BUILD_OPS=0 "$PY" -m pip install --dry-run -q --report - "$tv_pin" "deepspeed==0.19.8" |
     "$PY" -c 'import json, sys
 print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
                for p in json.load(sys.stdin)["install"]))')
@@ -83,7 +132,7 @@ if ! PYTHONPATH="$diffusers" "$PY" scripts/requirements_met.py "diffusers==0.42.
   rm -rf "$diffusers"
   mkdir -p "$deps"
   plan="$deps/diffusers-plan.json"
-  if "$PY" -m pip install --dry-run --report "$plan" "$TORCH" "transformers==$tf" \
+  if "$PY" -m pip install --dry-run --report "$plan" "$tv_pin" "transformers==$tf" \
     "diffusers==0.42.1" >"$deps/diffusers-plan.log" 2>&1; then
     missing=$("$PY" -c 'import json, sys
 print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
@@ -102,7 +151,17 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
   fi
   rm -f "$plan" "$deps/diffusers-plan.log"
 fi
-[ -d "$diffusers/diffusers" ] && PYTHONPATH="$diffusers${PYTHONPATH:+:$PYTHONPATH}"
+if [ -d "$diffusers/diffusers" ]; then
+  # diffusers 0.42 does not import with torch below 2.6: checked once per torch release
+  seen="$diffusers/.imports-with-torch-${tv%%+*}"
+  [ -f "$seen" ] || imports "$diffusers" diffusers.models.attention_dispatch >"$seen"
+  if [ -s "$seen" ]; then
+    export TEST_DIFFUSERS_ABSENT="diffusers 0.42.1 does not import with torch $tv ($(cat "$seen"))"
+    echo "$TEST_DIFFUSERS_ABSENT: the diffusers tests skip" >&2
+  else
+    PYTHONPATH="$diffusers${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+fi
 # the tests fail (not skip) where diffusers does not import after this
 [ -z "${TEST_DIFFUSERS_ABSENT:-}" ] && export TEST_DIFFUSERS_EXPECTED=1
 
@@ -113,6 +172,7 @@ fi
 # only ($TEST_KERNELS_DIR). Where pip cannot install it beside this environment (kernels needs
 # huggingface-hub >= 1.10, transformers 4.x requires it below 1.0) TEST_KERNELS_ABSENT says why.
 unset TEST_KERNELS_DIR TEST_KERNELS_ABSENT
+kver=""
 hubver=$("$PY" -c 'import importlib.metadata as m; print(m.version("huggingface-hub"))')
 if want=$("$PY" scripts/kernels_requirement.py 2>/dev/null); then
   plan="$deps/kernels-plan.json"
@@ -152,10 +212,16 @@ kind=""
 record="${TEST_RUNS_DIR:-$PWD/.test-runs}/$kind.json"
 [ -n "$kind" ] && rm -f "$record"
 
+tested="torch $tv ($torch_from), transformers $tf, xformers ${xformers_version}"
+tested+=", diffusers $([ -n "${TEST_DIFFUSERS_ABSENT:-}" ] && echo "none" || echo 0.42.1)"
+tested+=", kernels ${kver:-none} (hub-kernel tests' programs only)"
+echo "scripts/test.sh: testing with $tested"
+[ -n "$xformers" ] && PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}"
 set +e
-PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m pytest "$@"
+PYTHONPATH="${PYTHONPATH:-}" "$PY" -m pytest "$@"
 rc=$?
 set -e
+echo "scripts/test.sh: tested with $tested"
 if [ "$rc" -eq 5 ]; then
   echo "pytest collected no tests: treating as a failure" >&2
   exit 1

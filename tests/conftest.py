@@ -43,6 +43,19 @@ ONCE = {
 }
 
 
+# Test files whose subject is what differs between torch releases (SDPA's arguments, torch's flash
+# kernel, what torch.compile can trace): marked `torch`; CI's torch lanes (the newest torch, the
+# floor, one between) run them with the smoke suite (`-m "smoke or torch"`).
+TORCH = {
+    "test_attention_sinks.py",
+    "test_compile.py",
+    "test_fallback.py",
+    "test_kvcache_twin.py",
+    "test_torch_releases.py",
+    "test_twin_routes.py",
+}
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     session.config._attnguard_started = time.monotonic()  # type: ignore[attr-defined]
 
@@ -63,6 +76,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in ONCE:
             item.add_marker(pytest.mark.once)
+        if item.path.name in TORCH:
+            item.add_marker(pytest.mark.torch)
 
 
 @pytest.fixture(autouse=True)

@@ -340,6 +340,7 @@ def test_flash_gqa_without_enable_gqa(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fb.sdpa.F, "scaled_dot_product_attention", old_torch_sdpa)
+    monkeypatch.setattr(fb.sdpa, "SDPA_TAKES_GQA", False)  # as read from torch 2.4's schema
     q = rand(2, 5, 6, 8, seed=69)
     k = rand(2, 5, 2, 8, seed=70)
     v = rand(2, 5, 2, 8, seed=71)
@@ -963,6 +964,13 @@ def test_compile_xformers_materialized_bias_no_graph_break(dynamo_reset):
     extra[:, :, 1] = float("-inf")  # a row the bias masks entirely: zeros, no NaN
     bias = ab.LowerTriangularMaskWithTensorBias(extra)
     q, k, v = rand(b, mq, h, 8, seed=381), rand(b, mk, h, 8, seed=382), rand(b, mk, h, 8, seed=383)
+    try:  # the bias object itself, read in a compiled function, whatever function takes it
+        torch.compile(lambda t: t + len(type(bias).__name__), backend="eager", fullgraph=True)(q)
+    except Exception as exc:  # xformers 0.0.27's tensor-subclass biases under torch 2.4
+        pytest.skip(
+            f"this torch.compile cannot take xformers' {type(bias).__name__}: {exc!r}"[:300]
+        )
+    torch._dynamo.reset()
     got, want = compile_whole(_xf_call(bias), q, k, v)
     assert_same(got, want)
     assert torch.equal(want[:, 1], torch.zeros_like(want[:, 1]))

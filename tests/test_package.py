@@ -170,11 +170,22 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     assert re.search(r"^\s*full_lane a newest$", CI_RUN, re.M)
     assert '[ "$v" = newest ] && pin=(TEST_ZOO=all)' in CI_RUN
     pins = dict(re.findall(r'"([a-z-]+)==([\d.]+)"', TEST_SH))
-    assert pins["torch"] == support.TORCH_CI
-    assert pins["xformers"] in support.COMPONENTS["xformers"].tested
+    # the test command keeps the environment's torch; 2.13.0 only where there is none
+    assert "torch" not in pins
+    assert re.search(r"^no_torch_default=(\S+)", TEST_SH, re.M).group(1) == support.TORCH_CI
+    assert '"$torch_pin" "${pin[@]}" -e ".[test]"' in TEST_SH
+    xformers_newest = re.search(r"^xformers_newest=(\S+)", TEST_SH, re.M).group(1)
+    assert xformers_newest == support.COMPONENTS["xformers"].tested[0]
     assert pins["flash-attn"] in support.COMPONENTS["flash-attn"].tested
     assert pins["diffusers"] == support.DIFFUSERS_CI
     assert pins["deepspeed"] == support.DEEPSPEED
+    # the torch lanes: the newest torch (unpinned), then the pinned (torch, transformers) pairs
+    lanes = [lane.split("=") for lane in shell_array(CI_RUN, "torch_lanes")]
+    assert lanes[0] == ["newest", "newest"]
+    assert tuple((t, tf) for t, tf in lanes[1:]) == support.TORCH_LANES
+    assert re.search(r'^\s*torch_lane a "\$\{torch_lanes\[0\]\}"$', CI_RUN, re.M)
+    assert re.search(r'^\s*for lane in "\$\{torch_lanes\[@\]:1\}"; do torch_lane b', CI_RUN, re.M)
+    assert 'PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q torch ' in CI_RUN
     ray = re.search(r'"ray==([\d.]+)"', CI_RUN).group(1)
     also = readme_section("Compatibility")
     assert re.search(rf"DeepSpeed\s+{re.escape(support.DEEPSPEED)} ", also)
@@ -182,7 +193,7 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
 
 
 def versions_in(cell: str) -> list[str]:
-    return re.findall(r"\d+\.\d+(?:\.\d+)?", cell)
+    return re.findall(r"\d+\.\d+(?:\.\d+)?(?:\.post\d+)?", cell)
 
 
 def test_the_readme_compatibility_table_is_the_matrix() -> None:
@@ -220,9 +231,14 @@ def test_the_readme_install_and_test_commands_agree_with_the_test_command() -> N
         ("flash-attn", "flash-attn", "broken"),
         ("diffusers", "diffusers", "diffusers"),
     ):
-        version = re.search(rf'"{dist}==([\d.]+)"', TEST_SH).group(1)
+        pinned = re.search(rf'"{dist}==([\d.]+)"', TEST_SH)
+        version = (
+            pinned.group(1) if pinned else re.search(r"^xformers_newest=(\S+)", TEST_SH, re.M)[1]
+        )
         assert f"{label} {version}" in tests
         assert f'{var}="$deps/' in TEST_SH and f'--target "${var}"' in TEST_SH, dist
+    for older in support.XFORMERS_FOR_OLDER_TORCH:  # what an older torch gets instead
+        assert older in tests
     assert 'PYTHONPATH="$xformers' in TEST_SH  # on the test run's path, not in the environment
     assert 'PYTHONPATH="$diffusers' in TEST_SH
 

@@ -135,24 +135,10 @@ class Entry:
     stands and no change is announced).
     """
 
-    __slots__ = (
-        "aux",
-        "head_axis",
-        "in_force",
-        "kind",
-        "left_alone",
-        "mask",
-        "name",
-        "original",
-        "params",
-        "same_call_twin",
-        "site",
-        "site_for_call",
-        "slots",
-        "tensors",
-        "twin",
-        "uncomputed",
-    )
+    # No ``__slots__`` here, nor on GuardedCall and InForce: these objects are read on the traced
+    # path, and torch.compile of torch 2.4 cannot follow a slot (each read is opaque to it: a
+    # method held in one cannot be called, a list in one cannot be changed, its truth is
+    # unknown), which breaks the graph there, and fails ``fullgraph=True``.
 
     def __init__(
         self,
@@ -216,9 +202,8 @@ def _index(params: tuple[str, ...], role: str) -> int | None:
 
 
 class GuardedCall:
-    """One call's arguments, as the caller passed them: read, replaced, and invoked again."""
-
-    __slots__ = ("args", "entry", "kwargs")
+    """One call's arguments, as the caller passed them: read, replaced, and invoked again
+    (no ``__slots__``: see :class:`Entry`)."""
 
     def __init__(self, entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.entry = entry

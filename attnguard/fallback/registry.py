@@ -21,17 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..observability import events
+from .sdpa import SDPA_TAKES_GQA, repeat_kv_heads
 
 Tensor = torch.Tensor
 _BOOL = torch.bool
 _FP32 = torch.float32
-
-
-def _repeat_heads(x: Tensor, n_rep: int) -> Tensor:
-    if n_rep == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
 def sdpa_bhsd(
@@ -51,28 +45,23 @@ def sdpa_bhsd(
     n_rep = query.shape[1] // key.shape[1]
     extra: dict[str, Any] = {}
     if n_rep > 1:
-        if mask is None:
+        if mask is None and SDPA_TAKES_GQA:
             extra["enable_gqa"] = True
-        else:  # with a mask, repeated heads keep the fused kernels eligible
-            key, value = _repeat_heads(key, n_rep), _repeat_heads(value, n_rep)
+        else:  # with a mask, repeated heads keep the fused kernels eligible (and torch < 2.5
+            # has no enable_gqa)
+            key, value = repeat_kv_heads(key, n_rep), repeat_kv_heads(value, n_rep)
     if mask is not None and mask.dtype != _BOOL and mask.dtype != query.dtype:
         mask = mask.to(query.dtype)
-    try:
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=dropout,
-            scale=scale,
-            is_causal=is_causal,
-            **extra,
-        )
-    except TypeError:  # torch without enable_gqa
-        key, value = _repeat_heads(key, n_rep), _repeat_heads(value, n_rep)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, is_causal=is_causal
-        )
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scale,
+        is_causal=is_causal,
+        **extra,
+    )
     return out.transpose(1, 2).contiguous()
 
 
@@ -90,7 +79,7 @@ def eager_bhsd(
     """Explicit attention (transformers' eager math) for what SDPA cannot do: attention weights,
     softcapping, attention sinks. Returns (output (B, S, H, D), weights (B, H, Sq, Sk))."""
     n_rep = query.shape[1] // key.shape[1]
-    key, value = _repeat_heads(key, n_rep), _repeat_heads(value, n_rep)
+    key, value = repeat_kv_heads(key, n_rep), repeat_kv_heads(value, n_rep)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = torch.matmul(query, key.transpose(2, 3)) * scale
     if softcap:

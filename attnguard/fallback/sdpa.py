@@ -24,6 +24,31 @@ _MANUAL_CHUNK_ELEMS = 1 << 25
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _sdpa_takes_gqa() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (key/value heads fewer than the query's
+    without repeating them; torch 2.5 on), read from the op's own schema."""
+    try:
+        schema = torch.ops.aten.scaled_dot_product_attention.default._schema
+        return any(a.name == "enable_gqa" for a in schema.arguments)
+    except Exception:
+        return False
+
+
+# Read once at import, never inside a trace: torch.compile reads a module constant as a constant,
+# and a call with a keyword the op lacks (a TypeError) is a graph break there, and an error with
+# ``fullgraph=True``.
+SDPA_TAKES_GQA = _sdpa_takes_gqa()
+
+
+def repeat_kv_heads(x: Tensor, n_rep: int) -> Tensor:
+    """(B, Hk, S, D) -> (B, Hk * n_rep, S, D), each key/value head repeated for its query heads
+    (what ``enable_gqa`` spares where SDPA has it)."""
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
 # --------------------------------------------------------------------------------------------
 # SDPA plumbing
 # --------------------------------------------------------------------------------------------
@@ -48,13 +73,14 @@ def _sdpa_heads(
     hq, hk = q.shape[1], k.shape[1]
     if hq == hk:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    try:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
-    except (TypeError, RuntimeError):  # torch < 2.5, or no backend takes GQA with this input
-        rep = hq // hk
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    if SDPA_TAKES_GQA:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
+        except RuntimeError:  # no backend takes GQA with this input
+            pass
+    rep = hq // hk
+    k, v = repeat_kv_heads(k, rep), repeat_kv_heads(v, rep)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def sdpa(

@@ -43,11 +43,11 @@ def _op() -> Any:
 _OP = _op()
 
 
-def _op_parameters() -> frozenset[str]:
-    """The keyword parameters this torch's kernel takes (window sizes from torch 2.6,
-    ``seqused_k``, ...): what it can express here."""
+def _op_parameters(op: Any) -> frozenset[str]:
+    """The parameters this torch's ``op`` takes (the kernel's: window sizes, ``seqused_k``, ...:
+    what it can express here)."""
     try:
-        return frozenset(a.name for a in _OP.default._schema.arguments)
+        return frozenset(a.name for a in op.default._schema.arguments)
     except Exception:
         return frozenset()
 
@@ -56,7 +56,7 @@ def _op_parameters() -> frozenset[str]:
 # the op's FunctionSchema: a graph break), but reads a module-level constant or dict entry as a
 # constant. The parameters are read at import (no GPU touched); each GPU is judged at its first
 # eager call.
-OP_PARAMETERS = _op_parameters()
+OP_PARAMETERS = _op_parameters(_OP)
 _GPU_OK: dict[int, bool] = {}
 
 
@@ -192,7 +192,21 @@ def attention(
         )[:2]
     if pad:
         out = out[..., :d]
+    if cu_seqlens_q is not None and lse.dim() == 3:
+        lse = packed_lse(lse, cu_seqlens_q, q.shape[0])
     return out, lse
+
+
+def packed_lse(lse: Tensor, cu_seqlens_q: Tensor, total_q: int) -> Tensor:
+    """A varlen LSE in flash-attn's packed layout (H, total_q), from the padded (B, H, max_q)
+    that the kernel of torch 2.4 to 2.6 returns (torch's own shape rule for the op says which:
+    recognised here by the tensor's shape, which is static under torch.compile too). Gathered
+    with index tensors: no length is read on the host. Tokens after the last sequence (no
+    sequence's) get the last row's value, which nothing reads."""
+    t = torch.arange(total_q, device=lse.device)
+    seq = torch.bucketize(t, cu_seqlens_q[1:].to(t.dtype), right=True).clamp(max=lse.shape[0] - 1)
+    row = (t - cu_seqlens_q[seq].to(t.dtype)).clamp(0, lse.shape[2] - 1)
+    return lse[seq, :, row].transpose(0, 1).contiguous()
 
 
 # --- the deterministic backward ------------------------------------------------------------------
@@ -252,7 +266,6 @@ def _forward_impl(
     left: int | None,
     right: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    # also the fake (shape) implementation: aten's own meta kernel answers under FakeTensorMode
     res = _OP(
         q,
         k,
@@ -307,6 +320,50 @@ def _backward_impl(
         **_window_kwargs(scale, left, right),
     )
     return dq, dk, dv
+
+
+# Whether this torch's kernel gives its random state as ``rng_state`` (a (2,) uint64 seed, a ()
+# uint64 offset) rather than torch 2.4's int64 scalar ``philox_seed`` / ``philox_offset``: read from
+# its backward's parameters, for the shapes computed where torch has no shape rule of its own.
+_RNG_STATE = "rng_state" in _op_parameters(_BACKWARD)
+
+
+def _forward_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_q: Tensor | None,
+    cu_k: Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    causal: bool,
+    scale: float,
+    left: int | None,
+    right: int | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The shapes of :func:`_forward_impl`'s results, no kernel run (torch.compile's tracing,
+    meta tensors). torch's own shape rule for aten's kernel where this torch has one for these
+    tensors (aten's Meta kernel from torch 2.5; on 2.4 only FakeTensorMode's rule), which knows
+    this release's layouts; else (meta tensors on torch 2.4, which has no Meta kernel for it)
+    computed here, as torch 2.4's kernel returns them: out like q; LSE (B, H, Sq) dense, padded
+    (B, H, max_q) packed; int64 scalar seed and offset."""
+    try:
+        return _forward_impl(
+            q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, causal, scale, left, right
+        )
+    except NotImplementedError:
+        pass
+    heads = q.shape[-2]
+    if cu_q is None:
+        lse = q.new_empty((q.shape[0], heads, q.shape[1]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((cu_q.shape[0] - 1, heads, max_q), dtype=torch.float32)
+    if _RNG_STATE:
+        seed, offset = q.new_empty((2,), dtype=torch.uint64), q.new_empty((), dtype=torch.uint64)
+    else:
+        seed, offset = q.new_empty((), dtype=torch.int64), q.new_empty((), dtype=torch.int64)
+    return q.new_empty(q.shape), lse, seed, offset
 
 
 def _backward_fake(
@@ -381,7 +438,7 @@ def _register() -> tuple[Any, Any, Any]:
         lib.impl("flash_attention_deterministic", _forward_impl, "CUDA")
         lib.impl("flash_attention_deterministic_backward", _backward_impl, "CUDA")
         torch.library.register_fake(
-            "attnguard::flash_attention_deterministic", _forward_impl, lib=lib
+            "attnguard::flash_attention_deterministic", _forward_fake, lib=lib
         )
         torch.library.register_fake(
             "attnguard::flash_attention_deterministic_backward", _backward_fake, lib=lib

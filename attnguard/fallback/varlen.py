@@ -43,7 +43,10 @@ def run_segments(
         lq = q_starts[i + 1] - q_starts[i]
         if lq < 0:
             raise ValueError("cu_seqlens must be non-decreasing")
-        groups.setdefault((lq, k_lens[i]), []).append(i)
+        key = (lq, k_lens[i])
+        if key not in groups:  # not dict.setdefault: torch 2.4 cannot trace it (a graph break)
+            groups[key] = []
+        groups[key].append(i)
     outs: list[Tensor | None] = [None] * nseg
     lses: list[Tensor | None] = [None] * nseg
     dv: int | None = None

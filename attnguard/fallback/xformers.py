@@ -180,12 +180,15 @@ def xformers_memory_efficient_attention(
     name = type(attn_bias).__name__
     if attn_bias is None:
         out = sdpa(qt, kt, vt, None, p, False, sc).transpose(1, 2)
-    elif isinstance(attn_bias, torch.Tensor):
+    elif isinstance(attn_bias, torch.Tensor) and not hasattr(type(attn_bias), "materialize"):
+        # a tensor bias; xformers' LowerTriangularMask (and ...WithTensorBias) are tensors too in
+        # 0.0.27 (torch.Tensor subclasses), read below as the bias classes they are (the class's
+        # attribute: torch 2.4's torch.compile cannot ask a tensor for one)
         mask = _xf_tensor_bias(attn_bias, ndim, b, g, h, mq, mk)
         if mask.dtype != torch.bool:
             mask = mask.to(query.dtype)
         out = sdpa(qt, kt, vt, mask, p, False, sc).transpose(1, 2)
-    elif not hasattr(attn_bias, "materialize"):
+    elif not hasattr(type(attn_bias), "materialize"):
         raise TypeError(f"unsupported attn_bias type: {type(attn_bias)!r}")
     elif name == "LowerTriangularMask":
         out = causal_sdpa(qt, kt, vt, 0, p, sc).transpose(1, 2)

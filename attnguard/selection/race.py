@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from .. import fallback
 from ..fallback import torch_flash
 from ..fallback.masks import normalize_window
+from ..fallback.sdpa import SDPA_TAKES_GQA, repeat_kv_heads
 from .buckets import REQUESTED, SDPA_BACKENDS, TOLERANCE, Call
 
 Tensor = torch.Tensor
@@ -116,17 +117,16 @@ def _sdpa_backend(params: tuple[str, ...], backend: str) -> Impl:
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
         c = _named(params, args, kwargs)
-        q, k, v = c["q"], c["k"], c["v"]
-        scale = c.get("softmax_scale")
-        gqa = q.shape[2] != k.shape[2]
+        q, k, v = c["q"].transpose(1, 2), c["k"].transpose(1, 2), c["v"].transpose(1, 2)
+        n_rep = q.shape[1] // k.shape[1]
+        gqa: dict[str, bool] = {}
+        if n_rep > 1 and SDPA_TAKES_GQA:
+            gqa["enable_gqa"] = True
+        elif n_rep > 1:  # this torch's SDPA has no enable_gqa: the heads repeated, as it would
+            k, v = repeat_kv_heads(k, n_rep), repeat_kv_heads(v, n_rep)
         with sdpa_kernel([chosen]):
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=bool(c.get("causal")),
-                scale=scale,
-                enable_gqa=gqa,
+                q, k, v, is_causal=bool(c.get("causal")), scale=c.get("softmax_scale"), **gqa
             )
         return out.transpose(1, 2).contiguous()
 

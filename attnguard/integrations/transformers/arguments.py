@@ -35,6 +35,7 @@ MODULE = "transformers.modeling_flash_attention_utils"
 ledger = Ledger("transformers_arguments")
 _lock = threading.RLock()
 _computed: frozenset[str] | None = None
+_NONE: frozenset[str] = frozenset()  # a constant: torch 2.4 cannot trace a call of frozenset()
 
 
 def _typed_kwargs() -> set[str]:
@@ -67,11 +68,14 @@ def computed_arguments(wiring: Any = None, missed: set[str] | None = None) -> fr
     computes (or that carry no numbers): the parameters of the path's own functions, except
     those it hands the kernel only where the kernel declares them and the twins do not (or the
     probe found not computed: ``missed``), and the arguments every model threads through.
-    ``wiring``: the release's (:mod:`.wiring`); without it, the last one given."""
+    ``wiring``: the release's (:mod:`.wiring`); without it, the last one given (read per call,
+    under torch.compile too: no lock on that path, a lock being a graph break there; the one
+    reference read is atomic)."""
     global _computed
+    if wiring is None:
+        found = _computed
+        return found if found is not None else _NONE
     with _lock:
-        if wiring is None:
-            return _computed if _computed is not None else frozenset()
         from ... import fallback
 
         declared = transformers_wiring._named_parameters(fallback.flash_attn_varlen_func)
