@@ -57,13 +57,8 @@ ASIDE = ("unknown", "function")  # hub kernels attnguard does not know
 # the unguarded program, one scenario after another; a failed hub load leaves transformers' state
 # changed for the next load of the same kernel, so the ones compared to the guarded program
 # exactly come first
-PLAIN_ORDER = "function,unknown,gpt_oss,explicit,switch,fallback"
+PLAIN_ORDER = "function,unknown,flash3,gpt_oss,explicit,switch,fallback"
 TOL = 1e-5
-
-
-def SMOKE(machine: str) -> Any:  # noqa: N802 - reads as a marker
-    """The machines the smoke suite runs (each transformers minor: air-gapped, and loadable)."""
-    return pytest.param(machine, marks=pytest.mark.smoke)
 
 
 def _accepted() -> tuple[bool, str]:
@@ -152,7 +147,7 @@ def machines(root: Path) -> Any:
             pytest.skip(f"needs the kernels package: {ABSENT}")
         if name not in done:
             env = _machine(root, name)
-            jobs = {"plain": PLAIN_ORDER, "guarded": ",".join(TWINS + ASIDE)}
+            jobs = {"plain": PLAIN_ORDER, "guarded": ",".join((*TWINS, "flash3", *ASIDE))}
             with ThreadPoolExecutor(max_workers=2) as pool:
                 futures = {m: pool.submit(_program, m, root, env, o) for m, o in jobs.items()}
                 done[name] = {m: f.result() for m, f in futures.items()}
@@ -174,7 +169,8 @@ def _exact(record: dict[str, Any], scenario: str) -> None:
 # --- the hub kernel loads: nothing changes --------------------------------------------------------
 
 
-@pytest.mark.smoke
+@pytest.mark.smoke  # the one hub test of the smoke suite: where this transformers accepts the
+# kernels package (in skew lanes and without kernels it skips before running anything)
 def test_a_hub_kernel_that_loads_is_kept(machines: Any) -> None:
     if not KERNELS or not ACCEPTED:
         pytest.skip(f"no hub kernel can load beside this transformers: {WHY}")
@@ -191,6 +187,12 @@ def test_a_hub_kernel_that_loads_is_kept(machines: Any) -> None:
         assert g["calls"] and g["calls"] == p["calls"], f"{scenario}: the hub kernel still serves"
         assert g["events"] == [], f"{scenario}: nothing to say"
     assert plain["fallback"]["attn"] == HUB, "transformers' own fallback serves the hub kernel"
+    # beside it, a hub kernel this air-gapped machine does not have: computed by the twins
+    p, g = plain["flash3"], guarded["flash3"]
+    assert "error" in p, "unguarded, flash-attn3 is neither here nor fetched (offline)"
+    _exact(g, "flash3")
+    assert _changes(g) == [("backend_fallback", "hub_kernel_unavailable", "hub-on-sdpa")]
+    assert "flash-attn 3" in g["events"][0]["reason"]
 
 
 # --- it cannot load: the twins compute it -------------------------------------------------------
@@ -205,7 +207,7 @@ def _expected_code(machine: str, scenario: str) -> str:
     return "hub_kernel_unavailable"
 
 
-@pytest.mark.parametrize("machine", ["absent", SMOKE("offline"), "no_build"])
+@pytest.mark.parametrize("machine", ["absent", "offline", "no_build"])
 def test_a_hub_kernel_that_cannot_load_is_computed_by_the_twins(
     machines: Any, machine: str
 ) -> None:
@@ -242,7 +244,7 @@ def test_a_hub_kernel_that_cannot_load_is_computed_by_the_twins(
         assert oss["events"][0]["hub_kernel"] == SINKS_HUB
 
 
-@pytest.mark.parametrize("machine", ["absent", SMOKE("offline"), "no_build", SMOKE("loadable")])
+@pytest.mark.parametrize("machine", ["absent", "offline", "no_build", "loadable"])
 def test_a_hub_kernel_attnguard_does_not_know_fails_as_unguarded(
     machines: Any, machine: str
 ) -> None:

@@ -161,6 +161,7 @@ def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -
         "fallback": (transformers.LlamaForCausalLM, "llama", FLASH, False),
         "explicit": (transformers.LlamaForCausalLM, "llama", HUB, False),
         "switch": (transformers.LlamaForCausalLM, "llama", HUB, True),
+        "flash3": (transformers.LlamaForCausalLM, "llama", "kernels-community/flash-attn3", False),
         "unknown": (transformers.LlamaForCausalLM, "llama", "acme/fancy-attention", False),
         "function": (transformers.LlamaForCausalLM, "llama", f"{HUB}:flash_attn_func", False),
         "gpt_oss": (getattr(transformers, "GptOssForCausalLM", None), "gpt_oss", FLASH, False),
