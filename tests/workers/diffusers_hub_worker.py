@@ -10,7 +10,8 @@ their calls in ``$HUB_STANDIN_CALLS``). A tiny Flux transformer (tests/workers/d
 runs on diffusers' ``native`` backend, then on each backend in turn (``set_attention_backend``):
 per backend the error (type and first line) or the largest difference from ``native``, the calls
 made into the stand-in hub kernels, and (guarded) the events attnguard emitted; each output is
-saved to ``OUT/<mode>-<backend>.pt`` (float32, CPU) for comparisons across programs. One JSON
+saved to ``OUT/<mode>-<backend>.pt`` (float32, CPU; ``native``'s too) for comparisons across
+programs. One JSON
 object on the last line of stdout.
 """
 
@@ -59,6 +60,7 @@ def main() -> None:
     model = tiny_flux().to(args.device, dtype)
     inputs = flux_inputs(args.device, dtype)
     native = run(model, inputs)
+    torch.save(native, out_dir / f"{args.mode}-native.pt")
     result: dict[str, Any] = {"backends": {}}
     try:
         import kernels
