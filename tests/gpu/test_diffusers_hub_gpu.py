@@ -118,5 +118,7 @@ def test_a_cuda_hub_kernel_that_loads_keeps_serving(
         assert "error" not in p and "error" not in g, (backend, p.get("error"), g.get("error"))
         assert g["calls"] and g["calls"] == p["calls"], f"{backend}: the hub kernel serves"
         assert g["events"] == [], backend
-        plain, guarded = (torch.load(ran["out"] / f"{m}-{backend}.pt") for m in ("plain", "guarded"))
+        plain, guarded = (
+            torch.load(ran["out"] / f"{m}-{backend}.pt") for m in ("plain", "guarded")
+        )
         assert torch.equal(guarded, plain), backend
