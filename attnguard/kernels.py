@@ -53,6 +53,7 @@ q/k/v are cast to the half dtype for it and the output back (``qkv_unified``, ``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,14 @@ def hub_twin_of(name: str) -> str | None:
     return HUB_FLASH_KERNELS.get(repo)
 
 
+def hub_flash_major(name: str) -> int | None:
+    """flash-attn's major version (2, 3, 4) whose functions hub kernel ``name`` has, as
+    :data:`HUB_FLASH_KERNELS` says, or None: attnguard does not know what it computes. Which of
+    that version's twins serves a call is the integration's (the function its library calls)."""
+    found = re.match(r"flash-attn (\d+)", hub_twin_of(name) or "")
+    return int(found.group(1)) if found else None
+
+
 # What attnguard does where flash attention comes from the kernel hub (``attnguard doctor`` prints
 # these rows; events carry the rule): (rule, when, then, event, reason codes)
 HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
@@ -240,7 +249,8 @@ HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
         "hub-kernel-tried",
         "an org/repo request, a flash_attention_N request transformers serves from the hub "
         "(flash-attn missing, the `kernels` package at a version it accepts), a model whose flash "
-        "request transformers routes to a hub kernel, a diffusers *_hub backend",
+        "request transformers routes to a hub kernel, a diffusers *_hub backend chosen with "
+        "set_attention_backend or attention_backend(...)",
         "change nothing: the library loads the hub kernel as it would without attnguard (its "
         "cache, its network); a hub kernel that loads computes every call",
         "-",
@@ -291,12 +301,20 @@ def when_hub_kernel_fails(
     path_problem: str = "",
     uncomputed: tuple[str, ...] = (),
     chosen_for: str = "",
+    library: str = "transformers",
 ) -> HubVerdict:
     """Pure: the verdict on hub kernel ``name`` that did not load (``outcome``). ``path_problem``:
     why the library's flash code path cannot run on the twins ("" when it can);
     ``uncomputed``: arguments the model's attention passes that the twins do not compute;
-    ``chosen_for``: the request the library routed to this kernel ("" when it was asked for)."""
-    how = f" (transformers' choice for a {chosen_for} request)" if chosen_for else ""
+    ``chosen_for``: the request the library routed to this kernel ("" when it was asked for; for
+    diffusers, the ``*_hub`` backend that loads it); ``library``: the library that loads it."""
+    how = ""
+    if chosen_for:
+        how = (
+            f" (transformers' choice for a {chosen_for} request)"
+            if library == "transformers"
+            else f" ({library}' {chosen_for} backend)"
+        )
     problem = f"hub kernel {name}{how} cannot load here: {outcome.reason}"
     functions = hub_twin_of(name)
     if functions is None:
@@ -311,7 +329,7 @@ def when_hub_kernel_fails(
         return HubVerdict(
             False,
             "flash_path_unrecognised",
-            f"{problem}; attnguard does not recognise how this transformers release wires its "
+            f"{problem}; attnguard does not recognise how this {library} release wires its "
             f"flash code path ({path_problem}), so its error stands",
         )
     if uncomputed:

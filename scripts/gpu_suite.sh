@@ -18,8 +18,9 @@
 #   2.11: the real "xformers unusable" case), installed to /tmp/site.
 # .whl-kernels/ (scripts/fetch_kernels_wheels.sh, 13 MB): the `kernels` package at the version
 #   the image's transformers accepts and what it needs beyond the image, installed to
-#   /tmp/kernels-site; TEST_KERNELS_DIR points there and only tests/gpu/test_hub_gpu.py's
-#   programs put it on their path.
+#   /tmp/kernels-site; TEST_KERNELS_DIR points there and only tests/gpu/test_hub_gpu.py's and
+#   tests/gpu/test_diffusers_hub_gpu.py's programs put it on their path (the latter needs
+#   .whl-diffusers too).
 # .whl-diffusers/ (scripts/fetch_diffusers_wheels.sh, 19 MB; carry ".whl-diffusers" too when it
 #   fits): diffusers 0.42.1 and what it needs beyond the image, installed to
 #   /tmp/diffusers-site; TEST_DIFFUSERS_DIR points there and only that test's programs put it on

@@ -17,6 +17,8 @@
 #       tests/test_ranks.py's DeepSpeed workers only ($TEST_DEEPSPEED_DIR)
 #   .test-deps/flash-attn-nocuda/      flash-attn 2.8.3 built without its CUDA extension (a broken
 #       install); on the path of the tests that need it only ($TEST_BROKEN_FLASH_ATTN_DIR)
+#   .test-deps/kernels-0.11.7-nodeps/  a `kernels` release diffusers refuses (metadata only: no
+#       dependencies); for tests/test_diffusers_hub.py's programs ($TEST_KERNELS_REFUSED_DIR)
 #   .test-deps/diffusers-0.42.1-pyXY/  diffusers and what it needs that the environment lacks,
 #       resolved together with this environment's torch and transformers; on the PYTHONPATH of
 #       the pytest run. Where pip cannot install diffusers beside this transformers (diffusers
@@ -202,6 +204,18 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
   rm -f "$plan" "$deps/kernels-plan.log"
 else
   export TEST_KERNELS_ABSENT="this transformers release loads no hub kernels"
+fi
+# A `kernels` release diffusers refuses (its *_hub backends check a floor: 0.12 in diffusers 0.42;
+# tests/test_diffusers_hub.py asserts diffusers still refuses it): metadata is all diffusers reads
+# before refusing, so no dependencies; on the path of those tests' programs only
+# ($TEST_KERNELS_REFUSED_DIR)
+unset TEST_KERNELS_REFUSED_DIR
+if [ -z "${TEST_DIFFUSERS_ABSENT:-}" ]; then
+  refused="$deps/kernels-0.11.7-nodeps"
+  if [ ! -d "$refused/kernels" ]; then
+    "$PY" -m pip install -q --no-deps --target "$refused" "kernels==0.11.7" || rm -rf "$refused"
+  fi
+  [ -d "$refused/kernels" ] && export TEST_KERNELS_REFUSED_DIR="$refused"
 fi
 # README's two commands (the full suite, `-m smoke`) record their counts and minutes
 # (tests/conftest.py); README's ranges are checked against that record after the run

@@ -129,10 +129,11 @@ def outcomes() -> tuple[HubKernel, ...]:
         return tuple(_outcomes.values())
 
 
-def reset() -> None:
-    """Forget every outcome (tests; deactivation)."""
+def reset(library: str | None = None) -> None:
+    """Forget every outcome (tests; deactivation), or those of one ``library``'s attempts."""
     with _lock:
-        _outcomes.clear()
+        for repo in [r for r, k in _outcomes.items() if library in (None, k.library)]:
+            del _outcomes[repo]
 
 
 @dataclass(frozen=True)

@@ -167,8 +167,9 @@ _TABLE: tuple[Reason, ...] = (
         "flash_path_unrecognised",
         ("observed",),
         "flash attention requested where its kernel cannot run, and attnguard does not recognise "
-        "how this transformers release wires its flash code path: it steps aside (the load fails "
-        "as it would without attnguard) rather than compute other numbers",
+        "how this transformers release wires its flash code path (or how a diffusers *_hub "
+        "backend calls its hub kernel): it steps aside (the load fails as it would without "
+        "attnguard) rather than compute other numbers",
         flash_kernel(_INSTALL, first="upgrade attnguard for this transformers release"),
     ),
     Reason(

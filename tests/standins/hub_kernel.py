@@ -4,7 +4,9 @@ layout, written where a test wants it and served without network through ``LOCAL
 ``write_repo(path, ...)`` writes ``path/build/torch-<backend>/`` (a "noarch" build variant:
 ``torch-cpu`` for CPU tests, ``torch-cuda`` for the GPU) holding ``metadata.json`` and a Python
 package with flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``,
-``flash_attn_with_kvcache``). They compute flash-attn's semantics in explicit float32 math
+``flash_attn_with_kvcache``; or flash-attn 3's ``flash_attn_func`` / ``flash_attn_varlen_func``,
+with their keyword arguments) and a ``flash_attn_interface`` module naming the functions
+diffusers' context-parallel code looks up (they raise NotImplementedError). They compute flash-attn's semantics in explicit float32 math
 (bottom-right causal alignment, sliding windows, softcap, grouped heads, packed sequences,
 attention sinks when the repo declares ``s_aux``) and never import attnguard. Each call appends
 one line (the function's name) to the file named by ``$HUB_STANDIN_CALLS``, so a test counts
@@ -36,8 +38,9 @@ def _count(name):
             f.write(name + "\\n")
 
 
-def _attend(q, k, v, scale, causal, window, softcap, sink):
-    # q (Sq, H, D), k/v (Sk, Hk, D) -> (Sq, H, D); flash-attn's masks, bottom-right aligned
+def _attend(q, k, v, scale, causal, window, softcap, sink, lse=False):
+    # q (Sq, H, D), k/v (Sk, Hk, D) -> (Sq, H, D) [, LSE (H, Sq)]; flash-attn's masks,
+    # bottom-right aligned
     sq, h, d = q.shape
     sk, hk = k.shape[0], k.shape[1]
     if hk != h:
@@ -63,9 +66,12 @@ def _attend(q, k, v, scale, causal, window, softcap, sink):
     else:
         p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)
-    out = torch.einsum("hqk,khd->qhd", p, v.float())
-    return out.to(q.dtype)
+    out = torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+    return (out, torch.logsumexp(s, dim=-1)) if lse else out
 
+'''
+
+_FA2_SOURCE = """
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
@@ -101,7 +107,65 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             return_softmax_lse=False__SINK_PARAM__):
     _count("flash_attn_with_kvcache")
     raise NotImplementedError("hub kernel stand-in: flash_attn_with_kvcache is not implemented")
-'''
+"""
+
+_FA3_SOURCE = """
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None,
+                    k_descale=None, v_descale=None, window_size=(-1, -1), attention_chunk=0,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, sm_margin=0,
+                    return_attn_probs=False):
+    _count("flash_attn_func")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    parts = [_attend(q[b], k[b], v[b], scale, causal, tuple(window_size), softcap, None, True)
+             for b in range(q.shape[0])]
+    out = torch.stack([o for o, _ in parts])
+    return (out, torch.stack([s for _, s in parts])) if return_attn_probs else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           qv=None, q_descale=None, k_descale=None, v_descale=None,
+                           window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0,
+                           return_attn_probs=False):
+    _count("flash_attn_varlen_func")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for n in range(len(cq) - 1):
+        a, b, c, e = cq[n], cq[n + 1], ck[n], ck[n + 1]
+        if b > a:
+            out[a:b], lse[:, a:b] = _attend(q[a:b], k[c:e], v[c:e], scale, causal,
+                                            tuple(window_size), softcap, None, True)
+    return (out, lse) if return_attn_probs else out
+"""
+
+# what diffusers' context-parallel code reaches through ``flash_attn_interface`` (not computed)
+_INTERFACE_SOURCE = """from . import _count
+
+
+def _unsupported(name):
+    def function(*args, **kwargs):
+        _count(name)
+        raise NotImplementedError(f"hub kernel stand-in: {name} is not implemented")
+
+    return function
+
+
+for _name in __NAMES__:
+    globals()[_name] = _unsupported(_name)
+"""
+_INTERFACE_NAMES = {
+    "fa2": (
+        "_flash_attn_forward",
+        "_flash_attn_backward",
+        "_flash_attn_varlen_forward",
+        "_flash_attn_varlen_backward",
+    ),
+    "fa3": ("_flash_attn_forward", "_flash_attn_backward"),
+}
 
 
 def write_repo(
@@ -112,13 +176,17 @@ def write_repo(
     version: int = 3,
     sinks: bool = False,
     broken: bool = False,
+    interface: str = "fa2",
 ) -> Path:
     """Write a stand-in hub kernel repository at ``path`` and return ``path``.
 
     ``name``: the repo's name (its package is ``name`` with ``-`` as ``_``); ``backend``: the
     build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``); ``sinks``: the functions
     take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises at import (a build whose
-    import fails)."""
+    import fails); ``interface``: ``"fa2"`` (flash-attn 2's functions) or ``"fa3"`` (flash-attn
+    3's: the keyword arguments of kernels-community/flash-attn3, which diffusers' ``_flash_3_hub``
+    backends pass). Either has a ``flash_attn_interface`` module with the functions diffusers'
+    context-parallel code resolves (they raise NotImplementedError)."""
     package = name.replace("-", "_")
     variant = path / "build" / f"torch-{backend}"
     (variant / package).mkdir(parents=True, exist_ok=True)
@@ -131,9 +199,15 @@ def write_repo(
         "backend": {"type": backend},
     }
     (variant / "metadata.json").write_text(json.dumps(metadata))
-    source = _KERNEL_SOURCE.replace("__SINK_PARAM__", ", s_aux=None" if sinks else "")
+    functions = _FA3_SOURCE if interface == "fa3" else _FA2_SOURCE
+    source = _KERNEL_SOURCE + functions + "\n\nfrom . import flash_attn_interface  # noqa: E402\n"
+    source = source.replace("__SINK_PARAM__", ", s_aux=None" if sinks else "")
     source = source.replace("__SINK_ARG__", "s_aux" if sinks else "None")
     if broken:
         source = 'raise ImportError("hub kernel stand-in: this build does not import")\n' + source
     (variant / package / "__init__.py").write_text(source)
+    names = repr(_INTERFACE_NAMES[interface])
+    (variant / package / "flash_attn_interface.py").write_text(
+        _INTERFACE_SOURCE.replace("__NAMES__", names)
+    )
     return path

@@ -11,6 +11,8 @@ never checked by diffusers: it is judged when the dispatcher is patched.
 
 The twins never serve a call they do not compute: the functions diffusers reaches only for
 context parallelism (``_wrapped_flash_attn_forward``) raise diffusers' own requirements error.
+The ``*_hub`` backends (the ``kernels`` package missing or refused) follow the kernel hub's rule
+instead (:mod:`.hub`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from ...failopen import report_internal_error
 from ...kernels import Kernel
 from ...observability import events
 from ..ledger import Ledger
-from . import shape
+from . import hub, shape
 
 ledger = Ledger("diffusers")
 _lock = threading.Lock()
@@ -79,7 +81,11 @@ def _wrap(module: ModuleType, original: Callable[..., Any]) -> Callable[..., Any
         try:
             return original(backend)
         except RuntimeError as err:
-            if not serve(module, str(getattr(backend, "value", backend)), err):
+            name = str(getattr(backend, "value", backend))
+            if hub.is_hub(module, name):  # a *_hub backend: the kernel hub's rule
+                if runtime.IN_FORCE.settings is None or not hub.failed(module, name, err):
+                    raise
+            elif not serve(module, name, err):
                 raise
             return None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import backends, calls, shape
+from . import backends, calls, hub, shape
 
 
 def patch(module: ModuleType) -> None:
@@ -15,10 +15,12 @@ def patch(module: ModuleType) -> None:
         shape.report_unrecognised(why)
         return
     backends.patch(module)
+    hub.patch(module)
     calls.patch(module)
 
 
 def unpatch() -> None:
     """Restore everything this integration replaced."""
     calls.unpatch()
+    hub.unpatch()
     backends.unpatch()

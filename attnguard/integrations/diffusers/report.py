@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import INTEGRATION, shape
+from . import INTEGRATION, hub, shape
 
 
 def describe() -> dict[str, Any]:
@@ -53,6 +53,8 @@ def describe() -> dict[str, Any]:
 
 
 def _under_attnguard(name: str, usable: bool, module: Any) -> str:
+    if hub.is_hub(module, name):
+        return hub.describe(module, name, usable)
     if usable:
         if name in shape.GUARDED:
             return "as requested; per call: dtypes, devices, known kernel errors"

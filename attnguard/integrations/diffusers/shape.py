@@ -78,6 +78,13 @@ PACKAGES = {
 }
 _TENSORS = ("query", "key", "value")
 
+# The ``*_hub`` backends: ``_HUB_KERNELS_REGISTRY`` maps each to the config of the hub kernel it
+# loads (``repo_id``, the kernel's function it calls, ``kernel_fn`` once loaded), loaded by
+# ``_maybe_download_kernel_for_backend(backend)``; the backend function calls ``kernel_fn``.
+_HUB_CONFIG = ("repo_id", "function_attr", "kernel_fn")
+HUB_LOADER = "_maybe_download_kernel_for_backend"
+HUB_KERNEL_READS = ("_HUB_KERNELS_REGISTRY", "kernel_fn")
+
 
 def registry(module: ModuleType) -> Any:
     return getattr(module, "_AttentionBackendRegistry", None)
@@ -89,6 +96,25 @@ def backends(module: ModuleType) -> dict[str, Any]:
     if not isinstance(held, dict):
         return {}
     return {str(getattr(k, "value", k)): k for k in held}
+
+
+def hub_configs(module: ModuleType) -> dict[str, Any]:
+    """backend name -> the config of the hub kernel diffusers loads for it, for each config
+    shaped as attnguard knows it (``{}`` where this diffusers has no hub backends)."""
+    held = getattr(module, "_HUB_KERNELS_REGISTRY", None)
+    if not isinstance(held, dict):
+        return {}
+    return {
+        str(getattr(k, "value", k)): c
+        for k, c in held.items()
+        if all(hasattr(c, a) for a in _HUB_CONFIG) and isinstance(c.repo_id, str)
+    }
+
+
+def hub_loader(module: ModuleType) -> Any:
+    """diffusers' loader of hub kernels, or None where it is not shaped as attnguard knows it."""
+    loader = getattr(module, HUB_LOADER, None)
+    return loader if callable(loader) and _takes(loader, ("backend",)) else None
 
 
 def reads_names(fn: Any, names: tuple[str, ...]) -> bool:

@@ -6,6 +6,8 @@
 * ``xops``: a stand-in for the ``xformers.ops`` module diffusers' xformers backend calls:
   ``memory_efficient_attention`` is attnguard's xformers twin, ``LowerTriangularMask`` the causal
   bias it builds for ``is_causal`` (top-left aligned, as xformers' own);
+* :func:`hub_kernel_twin`: for a ``*_hub`` backend whose hub kernel cannot load, the twin of the
+  flash-attn 2, 3 or 4 function it calls (:mod:`attnguard.fallback.fa3_fa4` for 3 and 4);
 * :func:`sdpa_unforced`: what a torch backend forced to one SDPA kernel computes, with SDPA free
   to pick any kernel that can take the call (the call the forced backend makes, less the
   ``sdpa_kernel`` context).
@@ -56,6 +58,20 @@ def kernel_twins() -> dict[str, Any]:
         "flash_attn_varlen_func": flash_attn_varlen_func,
         "xops": xops,
     }
+
+
+def hub_kernel_twin(major: int, function: str) -> Callable[..., Any] | None:
+    """attnguard's twin of flash-attn ``major``'s ``function`` (what a ``*_hub`` backend calls
+    of a hub kernel whose functions are flash-attn's), or None: no twin of it."""
+    from ...fallback import fa3_fa4, flash_attn_func, flash_attn_varlen_func
+
+    return {
+        (2, "flash_attn_func"): flash_attn_func,
+        (2, "flash_attn_varlen_func"): flash_attn_varlen_func,
+        (3, "flash_attn_func"): fa3_fa4.flash_attn_3_func,
+        (3, "flash_attn_varlen_func"): fa3_fa4.flash_attn_3_varlen_func,
+        (4, "flash_attn_func"): fa3_fa4.flash_attn_4_func,
+    }.get((major, function))
 
 
 def sdpa_unforced(

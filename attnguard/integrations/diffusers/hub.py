@@ -1,0 +1,273 @@
+"""Flash attention that diffusers loads from the Hugging Face kernel hub: its ``*_hub`` backends.
+
+diffusers keeps one hub kernel per ``*_hub`` backend in ``_HUB_KERNELS_REGISTRY`` (the repo, the
+kernel's function the backend calls, ``kernel_fn`` once loaded, and the functions its
+context-parallel code reaches, ``wrapped_forward_fn`` / ``wrapped_backward_fn``). Choosing such a
+backend (``set_attention_backend``, ``attention_backend(...)``) runs diffusers' requirements check
+(the ``kernels`` package installed, at a version diffusers accepts: its own bounds, read from its
+error) and then ``_maybe_download_kernel_for_backend`` (``kernels.get_kernel``: the cache,
+``LOCAL_KERNELS``, or the hub). Both run first, exactly as they would without attnguard:
+
+* the hub kernel loads: it computes every call, untouched; recorded (:mod:`attnguard.facts.hub`,
+  ``attnguard doctor``), no event;
+* it cannot (either raised): recorded, and :func:`attnguard.kernels.when_hub_kernel_fails`
+  decides. Where the kernel's functions are flash-attn's, ``kernel_fn`` becomes attnguard's twin
+  of the function the backend calls (:func:`.twins.hub_kernel_twin`) and diffusers' backend
+  function runs as it would with the kernel (one ``backend_fallback`` per hub kernel, site
+  ``diffusers.hub_kernel:<repo>``); otherwise (SageAttention, aiter, a backend shaped otherwise)
+  diffusers' error stands, with one ``observed`` event.
+
+The twins never compute what they do not: the context-parallel functions, and a call passing an
+argument the flash-attn 3/4 twins do not compute (``qv``, FP8 descales), raise the error
+diffusers raised at load, with one ``observed`` event (``no_twin``). A backend diffusers never
+loaded (chosen by ``DIFFUSERS_ATTN_BACKEND``, or named by a call) is left as diffusers has it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ... import callguard, kernels, runtime
+from ...errors import AttnGuardError
+from ...facts import hub as hub_facts
+from ...failopen import report_internal_error
+from ...kernels import Kernel
+from ...observability import events
+from ..ledger import Ledger
+from . import shape
+
+SITE = "diffusers.hub_kernel"  # events say f"{SITE}:{repo}": one per hub kernel
+ledger = Ledger("diffusers_hub")
+_lock = threading.RLock()
+_serving: dict[str, str] = {}  # backend name -> the repo whose calls the twins compute
+# diffusers' words for a `kernels` release it refuses ("... a `kernels` version of at least 0.12")
+_AT_LEAST = re.compile(r"`kernels` version of at least (\d+(?:\.\d+)*)")
+
+
+def _name(backend: Any) -> str:
+    return str(getattr(backend, "value", backend))
+
+
+def is_hub(module: ModuleType, backend: Any) -> bool:
+    return _name(backend) in shape.hub_configs(module)
+
+
+def package(err: BaseException | None) -> hub_facts.HubPackage:
+    """The ``kernels`` package as diffusers sees it: its version and, where diffusers refused
+    it, the versions diffusers accepts (the bound its own error names)."""
+    found = _AT_LEAST.search(str(err)) if err is not None else None
+    accepted = f">={found.group(1)}" if found else None
+    return hub_facts.HubPackage(hub_facts.kernels_version(), accepted, "diffusers")
+
+
+def patch(module: ModuleType) -> None:
+    """Wrap diffusers' loader of hub kernels (where this diffusers has one shaped as known)."""
+    if shape.hub_configs(module) and shape.hub_loader(module) is not None:
+        ledger.patch(module, shape.HUB_LOADER, lambda original: _wrap_loader(module, original))
+
+
+def _wrap_loader(module: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _maybe_download_kernel_for_backend(backend: Any) -> Any:
+        name = _name(backend)
+        config = shape.hub_configs(module).get(name)
+        if config is None or runtime.IN_FORCE.settings is None:
+            return original(backend)
+        if name in _serving:  # the twins compute it: nothing to load
+            return None
+        try:
+            result = original(backend)
+        except Exception as err:
+            if not failed(module, name, err):
+                raise
+            return None
+        try:
+            if config.kernel_fn is not None:
+                hub_facts.record(config.repo_id, None, package(None), library="diffusers")
+        except Exception as ours:
+            report_internal_error(f"{SITE}:{config.repo_id}", ours)
+        return result
+
+    _maybe_download_kernel_for_backend.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return _maybe_download_kernel_for_backend
+
+
+def failed(module: ModuleType, name: str, err: BaseException) -> bool:
+    """diffusers could not load the hub kernel of backend ``name`` (``err``: its requirements
+    check's or its loader's error). True: the twins compute the backend's calls now; False:
+    ``err`` stands. Strict mode raises AttnGuardError; nothing else is raised."""
+    try:
+        return _failed(module, name, err)
+    except AttnGuardError:
+        raise
+    except Exception as ours:
+        report_internal_error(f"{SITE}:{name}", ours)
+        return False
+
+
+def _failed(module: ModuleType, name: str, err: BaseException) -> bool:
+    config = shape.hub_configs(module)[name]
+    repo = config.repo_id
+    with _lock:
+        if name in _serving:
+            return True
+        outcome = hub_facts.record(repo, err, package(err), library="diffusers")
+        twin, problem = _twin(module, name, config)
+        verdict = kernels.when_hub_kernel_fails(
+            repo, outcome, path_problem=problem, chosen_for=name, library="diffusers"
+        )
+        site = f"{SITE}:{repo}"
+        fields = {"requested": name, "hub_kernel": repo, "rule": verdict.rule}
+        settings = runtime.IN_FORCE.settings
+        if not verdict.twins:
+            events.emit(
+                "observed",
+                site=site,
+                reason_code=verdict.reason_code,
+                reason=verdict.reason,
+                **fields,
+            )
+            return False
+        if settings is None or not settings.enabled:
+            return False
+        if not settings.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
+            problem_said = verdict.reason.split("; attnguard:", 1)[0]
+            events.emit(
+                "observed",
+                site=site,
+                reason_code=verdict.reason_code,
+                reason=f"{problem_said}; left as is (ATTNGUARD_DISABLE names fallback)",
+                **fields,
+            )
+            return False
+        if not callguard.decide(
+            settings,
+            "fallback",
+            "backend_fallback",
+            site,
+            verdict.reason_code,
+            verdict.reason,
+            selected=Kernel.SDPA_TWIN.value,
+            **fields,
+        ):
+            return False
+        assert twin is not None
+        _serve(name, config, twin, err.with_traceback(None))
+        return True
+
+
+def _twin(module: ModuleType, name: str, config: Any) -> tuple[Callable[..., Any] | None, str]:
+    """The twin that computes backend ``name``'s calls, or why its code path is not the one
+    attnguard's twins cover ("" with no twin: attnguard does not know what the kernel
+    computes)."""
+    from .twins import hub_kernel_twin
+
+    major = kernels.hub_flash_major(config.repo_id)
+    if major is None:
+        return None, ""
+    fn = shape.registry(module)._backends.get(shape.backends(module).get(name))
+    if not shape.reads_names(fn, shape.HUB_KERNEL_READS):
+        return None, "its *_hub backend function does not call the hub kernel's kernel_fn"
+    if config.kernel_fn is not None:
+        return None, "the hub kernel loaded, and diffusers refused what it found in it"
+    twin = hub_kernel_twin(major, config.function_attr)
+    if twin is None:
+        return None, f"it calls flash-attn {major}'s {config.function_attr}, which has no twin"
+    return twin, ""
+
+
+def _serve(name: str, config: Any, twin: Callable[..., Any], err: BaseException) -> None:
+    """Put the twin where the backend function calls the kernel; the context-parallel
+    functions diffusers would have resolved from the kernel raise ``err``."""
+    from ...fallback.fa3_fa4 import Uncomputed
+
+    repo = config.repo_id
+    kernel = twin
+    if twin.__module__ == Uncomputed.__module__:  # may meet arguments it does not compute
+
+        @functools.wraps(twin)
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return twin(*args, **kwargs)
+            except Uncomputed as why:
+                _stand_aside(name, repo, f"calls passing {why}")
+                raise err.with_traceback(None) from None
+
+    ledger.patch(config, "kernel_fn", lambda _o: kernel)
+    for fn_attr in ("wrapped_forward_fn", "wrapped_backward_fn"):
+        path = getattr(config, fn_attr.replace("_fn", "_attr"), None)
+        if path is not None and getattr(config, fn_attr, None) is None:
+            ledger.patch(config, fn_attr, lambda _o: _refusal(name, repo, err))
+    _serving[name] = repo
+
+
+def _stand_aside(name: str, repo: str, what: str) -> None:
+    if not events.is_compiling():
+        events.emit(
+            "observed",
+            site=f"{SITE}:{repo}",
+            reason_code="no_twin",
+            reason=f"hub kernel {repo} ({name}) did not load here and attnguard's twins do not "
+            f"compute {what}: diffusers' error stands",
+            requested=name,
+            hub_kernel=repo,
+        )
+
+
+def _refusal(name: str, repo: str, err: BaseException) -> Callable[..., Any]:
+    """A stand-in for a context-parallel kernel function the twins do not replace."""
+
+    def refused(*_args: Any, **_kwargs: Any) -> Any:
+        _stand_aside(name, repo, "context-parallel calls")
+        raise err.with_traceback(None)
+
+    return refused
+
+
+def serving() -> dict[str, str]:
+    """``*_hub`` backends whose calls the twins compute in this process -> the hub kernel."""
+    return dict(_serving)
+
+
+def describe(module: ModuleType, name: str, usable: bool) -> str:
+    """``attnguard doctor``'s words for what computes backend ``name``'s calls here."""
+    config = shape.hub_configs(module)[name]
+    repo = config.repo_id
+    functions = kernels.hub_twin_of(repo)
+    if name in _serving:
+        found = hub_facts.outcome(repo)
+        why = f": {found.reason_code}" if found is not None else ""
+        return (
+            f"attnguard's twin of {functions}'s {config.function_attr} ({repo} did not load{why})"
+        )
+    found = hub_facts.outcome(repo)
+    if found is not None and found.loaded:
+        return f"{repo}, loaded by diffusers (as requested)"
+    code = hub_facts.HUB_KERNEL_UNAVAILABLE if usable else hub_facts.HUB_PACKAGE_MISSING
+    twin, problem = _twin(module, name, config)
+    verdict = kernels.when_hub_kernel_fails(
+        repo,
+        hub_facts.HubKernel(repo, False, code, "", "diffusers"),
+        path_problem=problem,
+        chosen_for=name,
+        library="diffusers",
+    )
+    where = "where it cannot load" if usable else "it cannot load here"
+    then = (
+        f"attnguard's twin of {functions}'s {config.function_attr}"
+        if verdict.twins
+        else "diffusers' own error"
+    )
+    return f"{repo} (diffusers loads it when chosen); {where}: {then}"
+
+
+def unpatch() -> None:
+    ledger.unpatch_all()
+    with _lock:
+        _serving.clear()
+    hub_facts.reset("diffusers")
