@@ -97,6 +97,44 @@ def decide(
     return apply
 
 
+def settle(
+    st: Settings | None, twins: bool, site: str, reason_code: str, reason: str, **fields: Any
+) -> bool:
+    """What a kernel that did not load comes to (a hub kernel: :func:`attnguard.kernels.
+    when_hub_kernel_fails` gave ``twins``, ``reason_code`` and ``reason``). True: the twins
+    compute its calls (fix mode; one ``backend_fallback`` event). False: the library's own error
+    stands, and one event says why — attnguard steps aside (``observed``), the fallback remedy
+    is switched off (``observed``, saying so), warn mode (what fix mode would do). Strict mode
+    raises AttnGuardError."""
+    if not twins:
+        note("observed", site, reason_code, reason, **fields)
+        return False
+    if st is None or not st.enabled:
+        return False
+    if not st.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
+        problem = reason.split("; attnguard:", 1)[0]
+        note(
+            "observed",
+            site,
+            reason_code,
+            f"{problem}; left as is (ATTNGUARD_DISABLE names fallback)",
+            **fields,
+        )
+        return False
+    from ..kernels import Kernel
+
+    return decide(
+        st,
+        "fallback",
+        "backend_fallback",
+        site,
+        reason_code,
+        reason,
+        selected=Kernel.SDPA_TWIN.value,
+        **fields,
+    )
+
+
 def latch(key: Hashable, reason_code: str) -> None:
     if not events.is_compiling():
         latched.setdefault(key, reason_code)

@@ -36,7 +36,6 @@ from ... import callguard, kernels, runtime
 from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
-from ...kernels import Kernel
 from ...observability import events
 from ..ledger import Ledger
 from . import shape
@@ -123,36 +122,12 @@ def _failed(module: ModuleType, name: str, err: BaseException) -> bool:
         )
         site = f"{SITE}:{repo}"
         fields = {"requested": name, "hub_kernel": repo, "rule": verdict.rule}
-        settings = runtime.IN_FORCE.settings
-        if not verdict.twins:
-            events.emit(
-                "observed",
-                site=site,
-                reason_code=verdict.reason_code,
-                reason=verdict.reason,
-                **fields,
-            )
-            return False
-        if settings is None or not settings.enabled:
-            return False
-        if not settings.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
-            problem_said = verdict.reason.split("; attnguard:", 1)[0]
-            events.emit(
-                "observed",
-                site=site,
-                reason_code=verdict.reason_code,
-                reason=f"{problem_said}; left as is (ATTNGUARD_DISABLE names fallback)",
-                **fields,
-            )
-            return False
-        if not callguard.decide(
-            settings,
-            "fallback",
-            "backend_fallback",
+        if not callguard.settle(
+            runtime.IN_FORCE.settings,
+            verdict.twins,
             site,
             verdict.reason_code,
             verdict.reason,
-            selected=Kernel.SDPA_TWIN.value,
             **fields,
         ):
             return False

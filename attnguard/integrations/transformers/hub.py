@@ -40,7 +40,6 @@ from ... import callguard, kernels, runtime
 from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
-from ...observability import events
 from ..ledger import Ledger
 
 MODULE = "transformers.integrations.hub_kernels"
@@ -325,35 +324,15 @@ def _failed(
         fields["model"] = cls.__name__
     if chosen_for:
         fields["transformers_chooses"] = name
-    if not verdict.twins:
-        if cls is None:  # a call-time lookup (a registry call): what the load said stands
-            return None
-        events.emit(
-            "observed", site=site, reason_code=verdict.reason_code, reason=verdict.reason, **fields
-        )
-        return None
-    settings = runtime.IN_FORCE.settings
-    if settings is None or not settings.enabled:
-        return None
-    if not settings.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
-        problem = verdict.reason.split("; attnguard:", 1)[0]
-        events.emit(
-            "observed",
-            site=site,
-            reason_code=verdict.reason_code,
-            reason=f"{problem}; left as is (ATTNGUARD_DISABLE names fallback)",
-            **fields,
-        )
+    if not verdict.twins and cls is None:  # a call-time lookup: what the load said stands
         return None
     try:
-        applied = callguard.decide(
-            settings,
-            "fallback",
-            "backend_fallback",
+        applied = callguard.settle(
+            runtime.IN_FORCE.settings,
+            verdict.twins,
             site,
             verdict.reason_code,
             verdict.reason,
-            selected=kernels.Kernel.SDPA_TWIN.value,
             **fields,
         )
     except AttnGuardError as strict:
