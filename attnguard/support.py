@@ -105,4 +105,22 @@ MATRIX: tuple[Component, ...] = (
     ),
 )
 
+# the `kernels` package (the Hugging Face kernel hub's loader): not a dependency; scripts/test.sh
+# installs, per transformers lane, the newest release that release accepts (its own bounds), else
+# the newest there is; these are the versions that gave (the GPU suite: 0.16.2 for 5.17)
+KERNELS_TESTED = ("0.17.2", "0.16.2", "0.15.2", "0.11.7")
+MATRIX += (
+    Component(
+        "kernels",
+        "as transformers / diffusers accept",
+        KERNELS_TESTED,
+        "CI: in each transformers lane the newest release that transformers accepts (its own "
+        "bounds: 0.15.2 on 5.13-5.14, 0.16.2 on 5.15-5.17, 0.17.2 on 5.0-5.12 and 5.18-5.22), "
+        "else the newest there is (0.17.2 on 5.23 and 5.24, which accept only 0.18.2 to 0.19: the "
+        "version skew a user meets); none on 4.x (kernels needs huggingface-hub 1.10 or later, "
+        "4.x below 1.0); 0.11.7, a release diffusers refuses; the GPU suite: 0.16.2 "
+        "(transformers 5.17)",
+    ),
+)
+
 COMPONENTS: dict[str, Component] = {c.name: c for c in MATRIX}
