@@ -198,6 +198,15 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
       "$PY" -m pip install -q --no-deps --target "$kernels" $resolved
     fi
     export TEST_KERNELS_DIR="$kernels"
+    # a release may break the import of the transformers it is installed beside (kernels 0.17
+    # raises inside transformers 5.3's import of its hub layers): a user of that pair cannot
+    # import transformers at all, so no hub test runs there, and the skips say why
+    err=$(imports "$kernels" transformers.modeling_utils)
+    if [ -n "$err" ]; then
+      unset TEST_KERNELS_DIR
+      export TEST_KERNELS_ABSENT="kernels $kver breaks the import of transformers $tf ($err)"
+      echo "$TEST_KERNELS_ABSENT: the hub-kernel tests skip" >&2
+    fi
   else
     export TEST_KERNELS_ABSENT="pip cannot install kernels beside huggingface-hub $hubver"
   fi

@@ -31,10 +31,12 @@ attnguard.deactivate()
 
 # Test files whose subject does not depend on the transformers release (the job story across
 # ranks and nodes, its delivery at exit to OpenTelemetry and a log shipper, the benchmarks' smoke
-# runs): marked `once`; CI runs them in its newest lane and deselects them (`-m "not once"`) in
-# the pinned full lanes. The README's test command runs them.
+# runs, diffusers' hub-kernel backends): marked `once`; CI runs them in its newest lane and its
+# torch lanes, and deselects them (`-m "not once"`) in the pinned transformers lanes. The README's
+# test commands run them.
 ONCE = {
     "test_bench_smoke.py",
+    "test_diffusers_hub.py",
     "test_exit_wait.py",
     "test_job_nodes.py",
     "test_job_scale.py",

@@ -66,9 +66,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _load(path: Path, attn: str) -> Any:
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation=attn, dtype=torch.float32
-    ).eval()
+    # float32 as saved: the default dtype of every release (its keyword differs across them)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
 
 
 LENGTHS = (5, 7, 4)

@@ -350,19 +350,19 @@ CODES = {
 }
 
 
-def _write_repo() -> Any:
+def _standin() -> Any:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write_repo
+    return module
 
 
 def _machine(root: Path, name: str) -> dict[str, str]:
     """``absent`` (no kernels), ``refused`` (a kernels release diffusers refuses), ``offline``
-    (kernels, an empty cache, HF_HUB_OFFLINE), ``no_build`` (flash-attn2 with a CUDA build only,
+    (kernels, an empty cache, HF_HUB_OFFLINE), ``no_build`` (flash-attn2 with a build for another backend only,
     flash-attn3 a build whose import fails), ``loadable`` (stand-ins of both)."""
     env = subprocess_env(
         HF_HUB_OFFLINE="1", HF_HOME=str(root / f"hf-{name}"), ATTNGUARD_LOG="none", TQDM_DISABLE="1"
@@ -370,13 +370,15 @@ def _machine(root: Path, name: str) -> dict[str, str]:
     env.pop("LOCAL_KERNELS", None)
     package = {"absent": None, "refused": REFUSED}.get(name, KERNELS)
     if name != "absent" and not package:
-        pytest.skip(f"no kernels package for the {name!r} machine (run scripts/test.sh)")
+        why = os.environ.get("TEST_KERNELS_ABSENT") or "run scripts/test.sh"
+        pytest.skip(f"no kernels package for the {name!r} machine: {why}")
     if package:
         env["PYTHONPATH"] = os.pathsep.join([package, env["PYTHONPATH"]])
-    write = _write_repo()
+    standin = _standin()
+    write = standin.write_repo
     stand = root / "standins" / name
     if name == "no_build":
-        fa2 = write(stand / "fa2", backend="cuda")
+        fa2 = write(stand / "fa2", backend=standin.other_backend())
         fa3 = write(stand / "fa3", name="flash-attn3", version=1, interface="fa3", broken=True)
     if name == "loadable":
         fa2 = write(stand / "fa2")

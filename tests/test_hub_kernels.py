@@ -33,8 +33,8 @@ import pytest
 from conftest import PY, REPO, STANDINS, subprocess_env
 
 
-def _standin_writer() -> Any:
-    """tests/standins/hub_kernel.py's ``write_repo`` (loaded by path: that folder also holds the
+def _standin() -> Any:
+    """tests/standins/hub_kernel.py (loaded by path: that folder also holds the
     flash-attn stand-in, which must not be importable in this process)."""
     import importlib.util
 
@@ -42,10 +42,11 @@ def _standin_writer() -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write_repo
+    return module
 
 
-write_repo = _standin_writer()
+standin = _standin()
+write_repo = standin.write_repo
 
 WORKER = REPO / "tests" / "workers" / "hub_worker.py"
 KERNELS = os.environ.get("TEST_KERNELS_DIR")
@@ -83,6 +84,24 @@ def _accepted() -> tuple[bool, str]:
 ACCEPTED, WHY = _accepted()
 
 
+def _loader() -> str | None:
+    """transformers' loader of attention hub kernels (what attnguard wraps), or None where this
+    release has none (before 4.52 a hub kernel's name is no attention implementation; 4.52-4.55
+    load it without one: attnguard leaves those releases' hub requests as they are)."""
+    import importlib
+
+    from attnguard.integrations.transformers import hub
+
+    try:
+        module = importlib.import_module(hub.MODULE)
+    except ImportError:
+        return None
+    return next((a for a in hub.LOADERS if callable(getattr(module, a, None))), None)
+
+
+LOADER = _loader()
+
+
 def _program(mode: str, root: Path, env: dict[str, str], scenarios: str) -> dict[str, Any]:
     calls = root / f"calls-{mode}-{os.getpid()}-{env.get('HUB_ENV')}"
     args = [PY, str(WORKER), "run", mode, str(root), str(calls), "--scenarios", scenarios]
@@ -108,7 +127,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _machine(root: Path, name: str) -> dict[str, str]:
     """The environment of one machine: ``absent`` (no kernels), ``offline`` (kernels, an empty
     cache, HF_HUB_OFFLINE), ``loadable`` (stand-in hub kernels through LOCAL_KERNELS),
-    ``no_build`` (a stand-in with a CUDA build only, and one whose import fails)."""
+    ``no_build`` (a stand-in with a build for another backend only, and one whose import fails)."""
     env = subprocess_env(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -128,11 +147,13 @@ def _machine(root: Path, name: str) -> dict[str, str]:
         )
         env["LOCAL_KERNELS"] = f"{HUB}={flash}:{SINKS_HUB}={sinks}"
     if name == "no_build":
-        cuda_only = write_repo(root / "standins" / "flash-attn2-cuda", backend="cuda")
+        other_only = write_repo(
+            root / "standins" / "flash-attn2-other", backend=standin.other_backend()
+        )
         broken = write_repo(
             root / "standins" / "vllm-broken", name="vllm-flash-attn3", sinks=True, broken=True
         )
-        env["LOCAL_KERNELS"] = f"{HUB}={cuda_only}:{SINKS_HUB}={broken}"
+        env["LOCAL_KERNELS"] = f"{HUB}={other_only}:{SINKS_HUB}={broken}"
     return env
 
 
@@ -143,6 +164,8 @@ def machines(root: Path) -> Any:
     done: dict[str, dict[str, Any]] = {}
 
     def get(name: str) -> dict[str, Any]:
+        if LOADER is None:
+            pytest.skip("this transformers release has no loader of attention hub kernels")
         if name != "absent" and not KERNELS:
             pytest.skip(f"needs the kernels package: {ABSENT}")
         if name not in done:
@@ -263,7 +286,7 @@ def test_a_hub_kernel_attnguard_does_not_know_fails_as_unguarded(
 def test_strict_mode_names_the_hub_kernel_where_transformers_falls_back_to_it(root: Path) -> None:
     """transformers turns a failed fallback load into its own flash-attn ImportError; in strict
     mode the user gets attnguard's error, naming the hub kernel, instead."""
-    if not KERNELS or not ACCEPTED:
+    if LOADER is None or not KERNELS or not ACCEPTED:
         pytest.skip(f"transformers does not fall back to the hub here: {WHY}")
     env = _machine(root, "offline")
     env["ATTNGUARD_MODE"] = "strict"

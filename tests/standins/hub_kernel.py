@@ -2,7 +2,8 @@
 layout, written where a test wants it and served without network through ``LOCAL_KERNELS``.
 
 ``write_repo(path, ...)`` writes ``path/build/torch-<backend>/`` (a "noarch" build variant:
-``torch-cpu`` for CPU tests, ``torch-cuda`` for the GPU) holding ``metadata.json`` and a Python
+by default the backend the `kernels` package sees on this machine, ``torch-cuda`` wherever torch
+is a CUDA build, a GPU or not, else ``torch-cpu``) holding ``metadata.json`` and a Python
 package with flash-attn's functions (``flash_attn_func``, ``flash_attn_varlen_func``,
 ``flash_attn_with_kvcache``; or flash-attn 3's ``flash_attn_func`` / ``flash_attn_varlen_func``,
 with their keyword arguments) and a ``flash_attn_interface`` module naming the functions
@@ -168,11 +169,25 @@ _INTERFACE_NAMES = {
 }
 
 
+def system_backend() -> str:
+    """The build variant's backend the `kernels` package selects here: ``cuda`` for a CUDA build
+    of torch (with or without a GPU: kernels reads ``torch.version.cuda``), else ``cpu``."""
+    import torch
+
+    return "cuda" if torch.version.cuda is not None else "cpu"
+
+
+def other_backend() -> str:
+    """A backend the `kernels` package does not select here: a build with no variant for this
+    system."""
+    return "cpu" if system_backend() == "cuda" else "cuda"
+
+
 def write_repo(
     path: Path,
     *,
     name: str = "flash-attn2",
-    backend: str = "cpu",
+    backend: str | None = None,
     version: int = 3,
     sinks: bool = False,
     broken: bool = False,
@@ -181,13 +196,14 @@ def write_repo(
     """Write a stand-in hub kernel repository at ``path`` and return ``path``.
 
     ``name``: the repo's name (its package is ``name`` with ``-`` as ``_``); ``backend``: the
-    build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``); ``sinks``: the functions
+    build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``; None: ``system_backend()``); ``sinks``: the functions
     take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises at import (a build whose
     import fails); ``interface``: ``"fa2"`` (flash-attn 2's functions) or ``"fa3"`` (flash-attn
     3's: the keyword arguments of kernels-community/flash-attn3, which diffusers' ``_flash_3_hub``
     backends pass). Either has a ``flash_attn_interface`` module with the functions diffusers'
     context-parallel code resolves (they raise NotImplementedError)."""
     package = name.replace("-", "_")
+    backend = backend or system_backend()
     variant = path / "build" / f"torch-{backend}"
     (variant / package).mkdir(parents=True, exist_ok=True)
     metadata = {

@@ -6,8 +6,9 @@ own fallback when a ``flash_attention_2/3/4`` request meets no flash-attn and th
 package is there (``FLASH_ATTN_KERNEL_FALLBACK``), and the models that list the flash kernels they
 work with (``_compatible_flash_implementations``: GPT-OSS goes to
 ``kernels-community/vllm-flash-attn3``). Every way ends in one loader,
-``transformers.integrations.hub_kernels.load_and_register_attn_kernel`` (4.57:
-``load_and_register_kernel``), which this module wraps:
+``transformers.integrations.hub_kernels.load_and_register_attn_kernel`` (4.56-4.57:
+``load_and_register_kernel``), which this module wraps (4.52-4.55 call ``kernels`` from
+``modeling_utils`` without one: their hub requests are left as they are):
 
 * the loader runs first, exactly as it would without attnguard (its network calls, its cache);
   a hub kernel that loads computes every call, untouched, and is recorded (``attnguard doctor``
@@ -45,7 +46,7 @@ from ..ledger import Ledger
 MODULE = "transformers.integrations.hub_kernels"
 SITE = "transformers.hub_kernel"  # events say f"{SITE}:{name}": one per hub kernel
 # transformers' loader of attention hub kernels, by release (the first one the module has)
-_LOADERS = ("load_and_register_attn_kernel", "load_and_register_kernel")
+LOADERS = ("load_and_register_attn_kernel", "load_and_register_kernel")
 # modules that may bind the loader at their import (4.57's modeling_utils)
 _BINDERS = ("transformers.modeling_utils", "transformers.modeling_flash_attention_utils")
 
@@ -384,7 +385,7 @@ def patch() -> None:
     module = sys.modules.get(MODULE)
     if module is None:
         return
-    for attr in _LOADERS:
+    for attr in LOADERS:
         original = vars(module).get(attr)
         if not callable(original):
             continue
