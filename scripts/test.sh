@@ -176,16 +176,20 @@ fi
 unset TEST_KERNELS_DIR TEST_KERNELS_ABSENT
 kver=""
 hubver=$("$PY" -c 'import importlib.metadata as m; print(m.version("huggingface-hub"))')
-if want=$("$PY" scripts/kernels_requirement.py 2>/dev/null); then
+if want=$("$PY" scripts/kernels_requirement.py 2>"$deps/kernels-why"); then
   plan="$deps/kernels-plan.json"
   mkdir -p "$deps"
-  resolved=""
+  # pip's answer is remembered for the day (CI's smoke lanes ask the same question many times)
+  memo="$deps/kernels-for-$(echo "$want $hubver" | tr -c 'A-Za-z0-9.\n' '_')-$py-$(date +%F)"
+  resolved=$(cat "$memo" 2>/dev/null || true)
   for req in "$want" kernels; do # in the window, else the newest (the skew case)
+    [ -s "$memo" ] && break
     if "$PY" -m pip install --dry-run -q --report "$plan" "$req" "huggingface-hub==$hubver" \
       >"$deps/kernels-plan.log" 2>&1; then
       resolved=$("$PY" -c 'import json, sys
 print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
                for p in json.load(open(sys.argv[1]))["install"]))' "$plan")
+      echo "$resolved" >"$memo"
       break
     fi
   done
@@ -198,10 +202,11 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
       "$PY" -m pip install -q --no-deps --target "$kernels" $resolved
     fi
     export TEST_KERNELS_DIR="$kernels"
-    # a release may break the import of the transformers it is installed beside (kernels 0.17
+    # a release may break the import of a transformers that names no bounds (kernels 0.17
     # raises inside transformers 5.3's import of its hub layers): a user of that pair cannot
     # import transformers at all, so no hub test runs there, and the skips say why
-    err=$(imports "$kernels" transformers.modeling_utils)
+    err=""
+    [ "$want" = kernels ] && err=$(imports "$kernels" transformers.modeling_utils)
     if [ -n "$err" ]; then
       unset TEST_KERNELS_DIR
       export TEST_KERNELS_ABSENT="kernels $kver breaks the import of transformers $tf ($err)"
@@ -212,8 +217,9 @@ print(" ".join(p["metadata"]["name"] + "==" + p["metadata"]["version"]
   fi
   rm -f "$plan" "$deps/kernels-plan.log"
 else
-  export TEST_KERNELS_ABSENT="this transformers release loads no hub kernels"
+  export TEST_KERNELS_ABSENT="$(tail -n 1 "$deps/kernels-why")"
 fi
+rm -f "$deps/kernels-why"
 # A `kernels` release diffusers refuses (its *_hub backends check a floor: 0.12 in diffusers 0.42;
 # tests/test_diffusers_hub.py asserts diffusers still refuses it): metadata is all diffusers reads
 # before refusing, so no dependencies; on the path of those tests' programs only
@@ -237,7 +243,11 @@ record="${TEST_RUNS_DIR:-$PWD/.test-runs}/$kind.json"
 
 tested="torch $tv ($torch_from), transformers $tf, xformers ${xformers_version}"
 tested+=", diffusers $([ -n "${TEST_DIFFUSERS_ABSENT:-}" ] && echo "none" || echo 0.42.1)"
-tested+=", kernels ${kver:-none} (hub-kernel tests' programs only)"
+if [ -n "${TEST_KERNELS_DIR:-}" ]; then
+  tested+=", kernels $kver (hub-kernel tests' programs only)"
+else
+  tested+=", kernels none (${TEST_KERNELS_ABSENT:-})"
+fi
 echo "scripts/test.sh: testing with $tested"
 [ -n "$xformers" ] && PYTHONPATH="$xformers${PYTHONPATH:+:$PYTHONPATH}"
 set +e
