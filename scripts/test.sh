@@ -55,9 +55,7 @@ if [ "${TEST_REUSE_INSTALL:-0}" = 1 ] && [ -n "${TRANSFORMERS_VERSION:-}" ] && m
   # CI's smoke lanes (TEST_REUSE_INSTALL=1): this checkout is installed in the venv already and
   # only transformers changes; everything is installed as above wherever that leaves a
   # requirement unmet
-  # (no bytecode compiled at install: the modules a run imports are compiled then, where bytecode
-  # may be written, as CI lets it; compiling all of transformers took seconds of each lane)
-  "$PY" -m pip install -q --no-deps --no-compile "transformers==$TRANSFORMERS_VERSION"
+  "$PY" -m pip install -q --no-deps "transformers==$TRANSFORMERS_VERSION"
   { met "transformers==$TRANSFORMERS_VERSION" && met "attnguard[test]"; } || install
 else
   install
