@@ -166,10 +166,21 @@ def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -
         "function": (transformers.LlamaForCausalLM, "llama", f"{HUB}:flash_attn_func", False),
         "gpt_oss": (getattr(transformers, "GptOssForCausalLM", None), "gpt_oss", FLASH, False),
     }
+    # transformers' own fallback to the hub kernel where flash-attn is missing came with 5.0
+    # (4.56-4.57 load hub kernels only when asked by name)
+    import transformers.modeling_utils as modeling_utils
+
+    source = Path(modeling_utils.__file__).read_text(encoding="utf-8")
+    falls_back = "FLASH_ATTN_KERNEL_FALLBACK" in source
     for name in scenarios:
         cls, ckpt, attn, switch = plans[name]
         if cls is None or not (root / ckpt).exists():
             out["scenarios"][name] = {"not_applicable": "this release has no such model"}
+            continue
+        if name == "fallback" and not falls_back:
+            out["scenarios"][name] = {
+                "not_applicable": "this release does not fall back to the hub"
+            }
             continue
         before = len(_calls(calls))
         seen = len(captured)
