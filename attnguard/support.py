@@ -114,11 +114,13 @@ MATRIX += (
         "kernels",
         "as transformers / diffusers accept",
         KERNELS_TESTED,
-        "CI: in each transformers lane the newest release that transformers accepts (its own "
-        "bounds: 0.15.2 on 5.13-5.14, 0.16.2 on 5.15-5.17, 0.17.2 on 5.0-5.12 and 5.18-5.22), "
-        "else the newest there is (0.17.2 on 5.23 and 5.24, which accept only 0.18.2 to 0.19: the "
-        "version skew a user meets); none on 4.x (kernels needs huggingface-hub 1.10 or later, "
-        "4.x below 1.0); 0.11.7, a release diffusers refuses; the GPU suite: 0.16.2 "
+        "CI: in each transformers lane with a loader of attention hub kernels (4.56 and later) "
+        "the newest release that transformers accepts (its own bounds: 0.15.2 on 5.13-5.14, "
+        "0.16.2 on 5.15-5.17, 0.17.2 on 5.18-5.22), else the newest there is (0.17.2 on 5.23 and "
+        "5.24, which accept only 0.18.2 to 0.19: the version skew a user meets); 5.0-5.12 name "
+        "only a floor and 0.17.2 breaks their import, 4.56-4.57 get 0.12.3 (huggingface-hub "
+        "below 1.0), which loads no kernel from a local folder: the hub tests skip there, saying "
+        "why; 0.11.7, a release diffusers refuses; the GPU suite: 0.16.2 "
         "(transformers 5.17)",
     ),
 )
