@@ -27,6 +27,19 @@ from attnguard.observability import events, workload  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 STANDINS = REPO / "tests" / "standins"
 
+
+def hub_standin() -> Any:
+    """tests/standins/hub_kernel.py, the stand-in hub kernel's writer (loaded by path: that folder
+    also holds the flash-attn stand-in, which must not become importable in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 attnguard.deactivate()
 
 # Test files whose subject does not depend on the transformers release (the job story across

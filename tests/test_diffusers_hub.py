@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PY, REPO, STANDINS, diffusers_dispatch, names, subprocess_env
+from conftest import PY, REPO, diffusers_dispatch, hub_standin, names, subprocess_env
 
 import attnguard
 
@@ -350,20 +350,10 @@ CODES = {
 }
 
 
-def _standin() -> Any:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _machine(root: Path, name: str) -> dict[str, str]:
     """``absent`` (no kernels), ``refused`` (a kernels release diffusers refuses), ``offline``
-    (kernels, an empty cache, HF_HUB_OFFLINE), ``no_build`` (flash-attn2 with a build for another backend only,
-    flash-attn3 a build whose import fails), ``loadable`` (stand-ins of both)."""
+    (kernels, an empty cache, HF_HUB_OFFLINE), ``no_build`` (flash-attn2 with a build for another
+    backend only, flash-attn3 a build whose import fails), ``loadable`` (stand-ins of both)."""
     env = subprocess_env(
         HF_HUB_OFFLINE="1", HF_HOME=str(root / f"hf-{name}"), ATTNGUARD_LOG="none", TQDM_DISABLE="1"
     )
@@ -374,7 +364,7 @@ def _machine(root: Path, name: str) -> dict[str, str]:
         pytest.skip(f"no kernels package for the {name!r} machine: {why}")
     if package:
         env["PYTHONPATH"] = os.pathsep.join([package, env["PYTHONPATH"]])
-    standin = _standin()
+    standin = hub_standin()
     write = standin.write_repo
     stand = root / "standins" / name
     if name == "no_build":

@@ -30,22 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, STANDINS, subprocess_env
+from conftest import PY, REPO, hub_standin, subprocess_env
 
-
-def _standin() -> Any:
-    """tests/standins/hub_kernel.py (loaded by path: that folder also holds the
-    flash-attn stand-in, which must not be importable in this process)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-standin = _standin()
+standin = hub_standin()
 write_repo = standin.write_repo
 
 WORKER = REPO / "tests" / "workers" / "hub_worker.py"
@@ -62,16 +49,24 @@ PLAIN_ORDER = "function,unknown,flash3,gpt_oss,explicit,switch,fallback"
 TOL = 1e-5
 
 
+def _kernels_version() -> str:
+    """The version of the kernels package scripts/test.sh provides ("?" where none)."""
+    from importlib import metadata
+
+    dist = next(metadata.distributions(path=[KERNELS], name="kernels"), None) if KERNELS else None
+    return dist.version if dist is not None else "?"
+
+
+KERNELS_VERSION = _kernels_version()
+
+
 def _accepted() -> tuple[bool, str]:
     """Does the installed transformers accept the kernels package scripts/test.sh provides?"""
     if not KERNELS:
         return False, ABSENT or "no kernels package provided (run scripts/test.sh)"
-    from importlib import metadata
-
     from packaging.specifiers import SpecifierSet
 
-    dist = next(metadata.distributions(path=[KERNELS], name="kernels"), None)
-    version = dist.version if dist is not None else "?"
+    version = KERNELS_VERSION
     import transformers.utils.import_utils as utils
 
     low = getattr(utils, "KERNELS_MIN_VERSION", None)
@@ -182,7 +177,8 @@ def machines(root: Path) -> Any:
         if name != "absent" and not KERNELS:
             pytest.skip(f"needs the kernels package: {ABSENT}")
         if name in ("loadable", "no_build") and not SERVES_LOCAL:
-            pytest.skip(f"{WHY.split(',')[0]} loads no kernel from a local folder (LOCAL_KERNELS)")
+            why = f"kernels {KERNELS_VERSION} loads no kernel from a local folder (LOCAL_KERNELS)"
+            pytest.skip(why)
         if name not in done:
             env = _machine(root, name)
             jobs = {"plain": PLAIN_ORDER, "guarded": ",".join((*TWINS, "flash3", *ASIDE))}

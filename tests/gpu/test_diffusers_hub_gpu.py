@@ -18,7 +18,6 @@ to $GPU_RESULTS/diffusers_hub/.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +26,8 @@ from typing import Any
 
 import pytest
 import torch
-from gpuenv import PY, STANDINS, WORKERS, child_env, results_dir
+from conftest import hub_standin
+from gpuenv import PY, WORKERS, child_env, results_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,10 +52,7 @@ def _env(root: Path, name: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([diffusers, kernels, env["PYTHONPATH"]])
     env.pop("LOCAL_KERNELS", None)
     if name == "loadable":
-        spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
-        assert spec is not None and spec.loader is not None
-        standin = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(standin)
+        standin = hub_standin()
         fa2 = standin.write_repo(root / "fa2", backend="cuda")
         fa3 = standin.write_repo(
             root / "fa3", name="flash-attn3", version=1, interface="fa3", backend="cuda"

@@ -14,7 +14,6 @@ tests/test_hub_kernels.py), each case a pair of fresh programs (tests/workers/hu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-from gpuenv import PY, STANDINS, WORKERS, child_env, require, results_dir
+from conftest import hub_standin
+from gpuenv import PY, WORKERS, child_env, require, results_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,14 +32,6 @@ pytestmark = [
 
 WORKER = WORKERS / "hub_worker.py"
 KERNELS = os.environ.get("TEST_KERNELS_DIR")
-
-
-def _write_repo() -> Any:
-    spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_repo
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +87,7 @@ def test_gpt_oss_with_flash_attn_and_no_kernels_runs_on_the_twins_with_sinks(
 def test_a_stand_in_hub_kernel_on_the_gpu_keeps_serving(root: Path) -> None:
     if not KERNELS:
         pytest.skip("TEST_KERNELS_DIR is not set (scripts/gpu_suite.sh installs .whl-kernels/)")
-    repo = _write_repo()(root / "standin-cuda", backend="cuda")
+    repo = hub_standin().write_repo(root / "standin-cuda", backend="cuda")
     env = child_env(real=False, TQDM_DISABLE="1", ATTNGUARD_LOG="none", HF_HOME=str(root / "hf2"))
     env["PYTHONPATH"] = os.pathsep.join([KERNELS, env["PYTHONPATH"]])
     env["LOCAL_KERNELS"] = f"kernels-community/flash-attn2={repo}"

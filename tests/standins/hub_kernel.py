@@ -196,12 +196,12 @@ def write_repo(
     """Write a stand-in hub kernel repository at ``path`` and return ``path``.
 
     ``name``: the repo's name (its package is ``name`` with ``-`` as ``_``); ``backend``: the
-    build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``; None: ``system_backend()``); ``sinks``: the functions
-    take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises at import (a build whose
-    import fails); ``interface``: ``"fa2"`` (flash-attn 2's functions) or ``"fa3"`` (flash-attn
-    3's: the keyword arguments of kernels-community/flash-attn3, which diffusers' ``_flash_3_hub``
-    backends pass). Either has a ``flash_attn_interface`` module with the functions diffusers'
-    context-parallel code resolves (they raise NotImplementedError)."""
+    build variant (``cpu``: ``torch-cpu``, ``cuda``: ``torch-cuda``; None: ``system_backend()``);
+    ``sinks``: the functions take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises
+    at import (a build whose import fails); ``interface``: ``"fa2"`` (flash-attn 2's functions) or
+    ``"fa3"`` (flash-attn 3's: the keyword arguments of kernels-community/flash-attn3, which
+    diffusers' ``_flash_3_hub`` backends pass). Either has a ``flash_attn_interface`` module with
+    the functions diffusers' context-parallel code resolves (they raise NotImplementedError)."""
     package = name.replace("-", "_")
     backend = backend or system_backend()
     variant = path / "build" / f"torch-{backend}"
