@@ -14,7 +14,8 @@ from . import facts as facts_mod
 from . import runtime
 from .config import Settings, load
 from .integrations.transformers import flash_path as transformers_kernels
-from .kernels import HUB_RULES, QUESTIONS
+from .computing import NOW
+from .kernels import QUESTIONS, RULES
 from .observability.eventfiles import printable
 from .plan import TABLE, Plan, flash_fp32_request, plan_load
 
@@ -158,10 +159,11 @@ def collect() -> dict[str, Any]:
         "kernel_decisions": _kernel_decisions(),
         "diffusers": _diffusers_report().describe(),
         "kernel_hub": _hub().report(),
-        "hub_rules": [
+        "kernel_rules": [
             dict(zip(("rule", "when", "then", "event", "reason_code"), r, strict=True))
-            for r in HUB_RULES
+            for r in RULES
         ],
+        "computing_now": NOW.describe(),
     }
     return {"verdict": verdict(data), **data}
 
@@ -315,8 +317,18 @@ def render(as_json: bool = False) -> str:
         )
     lines += ["", "Flash attention from the Hugging Face kernel hub (transformers)"]
     lines += _hub().report_lines(data["kernel_hub"])
-    for rule, when, then, event, code in HUB_RULES:
+    lines += ["", "Where a kernel cannot compute: the verdict's rules (attnguard.kernels.verdict)"]
+    for rule, when, then, event, code in RULES:
         lines.append(f"  {rule} ({event}, {code}): when {when} -> {then}")
+    lines += ["", "What computes now in this process (attnguard.computing.NOW)"]
+    for row in data["computing_now"] or [{"subject": "none"}]:
+        if "computes" not in row:
+            lines.append("  none")
+            continue
+        lines.append(
+            f"  {printable(row['subject'])}: {printable(row['computes'])} ({row['rule']}, "
+            f"{row['reason_code']})"
+        )
     lines += ["", "Plan for flash_attention_2 + float32 + no device_map on this machine"]
     lines += _plan_lines(plan_load(_sample_request(path), facts, settings))
     lines += ["", "Which torch kernel computes a twin's call (attnguard/fallback/routes.py)"]

@@ -22,10 +22,10 @@ The questions, in the order they are asked (:data:`QUESTIONS`; ``attnguard docto
    transformers' own fallback when flash-attn is missing, a model routed to a hub kernel,
    diffusers' ``*_hub`` backends), the library tries to load it as it would without attnguard:
    a hub kernel that loads computes every call, untouched; one that cannot load is computed by
-   the twins where its functions are flash-attn's (:data:`HUB_FLASH_KERNELS`), else attnguard
-   steps aside (:func:`when_hub_kernel_fails`).
-2. **Per call**: is this site latched after a kernel error? (``attnguard.callguard.latched``):
-   then the call goes straight to the twin.
+   the twins of its family where it is one of flash-attn's (what a kernel is:
+   :mod:`attnguard.kernel_identity`), else attnguard steps aside (:func:`verdict`).
+2. **Per call**: is this site latched after a kernel error? (``NOW.latched``, the table of what
+   computes now: :mod:`attnguard.computing`): then the call goes straight to the twin.
 3. **Per call**: can the requested kernel take this call? (:func:`reroute_reason`,
    :data:`REROUTE_REASONS`). If not, the call runs on the twin: one ``backend_rerouted`` event
    (counted per call, emitted once per site and reason).
@@ -53,12 +53,12 @@ q/k/v are cast to the half dtype for it and the output back (``qkv_unified``, ``
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from .facts import hub
+from .kernel_identity import KernelId, Source, hub_repo
 
 if TYPE_CHECKING:
     from ._settings import Settings
@@ -100,6 +100,7 @@ class EntryKind(StrEnum):
     REGISTRY_FLASH = "registry_flash"  # transformers' flash registry entry (its code path)
     REGISTRY_SDPA = "registry_sdpa"  # transformers' sdpa registry entry
     REGISTRY_OTHER = "registry_other"  # any other registry entry: dtypes and devices only
+    REGISTRY_PAGED = "registry_paged"  # a paged entry (the cache update inside): never re-run
 
 
 # (when, the question, the one place that answers it), in the order they are asked
@@ -111,11 +112,12 @@ QUESTIONS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "load time, per hub kernel",
-        "where flash attention comes from the kernel hub: does the hub kernel load? if not, are "
-        "its functions flash-attn's?",
-        "the library's own loader (facts.hub) -> attnguard.kernels.when_hub_kernel_fails",
+        "where flash attention comes from the kernel hub: does the hub kernel load? if not, is "
+        "it one of flash-attn's families?",
+        "the library's own loader (facts.hub), what the kernel is (attnguard.kernel_identity) "
+        "-> attnguard.kernels.verdict",
     ),
-    ("per call", "is this site latched after a kernel error?", "attnguard.callguard.latched"),
+    ("per call", "is this site latched after a kernel error?", "attnguard.computing.NOW.latched"),
     (
         "per call",
         "can the requested kernel take this call?",
@@ -202,7 +204,7 @@ def flash_kernel_unusable(implementation: str, settings: Settings | None = None)
     backend the first time (:mod:`attnguard.facts`, with the settings in force). For a hub kernel
     (``"org/repo"``): the reason it did not load, once its library tried (None before, or when
     it loaded)."""
-    repo = hub.repo_of(implementation)
+    repo = hub_repo(implementation)
     if repo is not None:  # a hub kernel: what became of its library's attempt to load it
         found = hub.outcome(repo)
         return found.reason_code if found is not None and not found.loaded else None
@@ -212,39 +214,12 @@ def flash_kernel_unusable(implementation: str, settings: Settings | None = None)
     return None if status.usable else status.reason_code
 
 
-# Hub kernels whose functions are flash-attn's own (the same names, arguments and numbers): where
-# one cannot load, attnguard's twins of those functions compute its calls. Any other hub kernel (a
-# repo attnguard does not know, one function picked by "org/repo:function", block-sparse or
-# quantized attention such as MiniMaxAI/msa or SageAttention) is not computed by attnguard.
-HUB_FLASH_KERNELS: dict[str, str] = {
-    "kernels-community/flash-attn": "flash-attn 2",
-    "kernels-community/flash-attn2": "flash-attn 2",
-    "kernels-community/flash-attn3": "flash-attn 3",
-    "kernels-community/vllm-flash-attn3": "flash-attn 3 (vLLM's build, with attention sinks)",
-    "kernels-community/flash-attn4": "flash-attn 4",
-}
+# --- the verdict --------------------------------------------------------------------------------
 
-
-def hub_twin_of(name: str) -> str | None:
-    """The flash-attn functions attnguard's twins compute for hub kernel ``name`` (an
-    ``"org/repo[@revision]"`` name), or None: attnguard does not know what it computes."""
-    repo = hub.repo_of(name)
-    if repo is None or hub.function_of(name) is not None:
-        return None
-    return HUB_FLASH_KERNELS.get(repo)
-
-
-def hub_flash_major(name: str) -> int | None:
-    """flash-attn's major version (2, 3, 4) whose functions hub kernel ``name`` has, as
-    :data:`HUB_FLASH_KERNELS` says, or None: attnguard does not know what it computes. Which of
-    that version's twins serves a call is the integration's (the function its library calls)."""
-    found = re.match(r"flash-attn (\d+)", hub_twin_of(name) or "")
-    return int(found.group(1)) if found else None
-
-
-# What attnguard does where flash attention comes from the kernel hub (``attnguard doctor`` prints
-# these rows; events carry the rule): (rule, when, then, event, reason codes)
-HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
+# What attnguard does where a kernel cannot compute a call (``attnguard doctor`` prints these rows;
+# events carry the rule): (rule, when, then, event, reason codes). The load-time plan's own rows
+# (flash_attention_N whose package cannot run here) are :data:`attnguard.plan.TABLE`.
+RULES: tuple[tuple[str, str, str, str, str], ...] = (
     (
         "hub-kernel-tried",
         "an org/repo request, a flash_attention_N request transformers serves from the hub "
@@ -252,7 +227,8 @@ HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
         "request transformers routes to a hub kernel, a diffusers *_hub backend chosen with "
         "set_attention_backend or attention_backend(...)",
         "change nothing: the library loads the hub kernel as it would without attnguard (its "
-        "cache, its network); a hub kernel that loads computes every call",
+        "cache, its network; again whenever the library tries again); a hub kernel that loads "
+        "computes every call, its own errors included, whatever its name",
         "-",
         "-",
     ),
@@ -260,9 +236,10 @@ HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
         "hub-on-sdpa",
         "the hub kernel does not load (no `kernels`, a version the library refuses, offline "
         "without a cached build, no build for this torch and device, its import failed), its "
-        "functions are flash-attn's (HUB_FLASH_KERNELS), attnguard's twins cover the library's "
-        "code path and the model passes nothing they do not compute",
-        "compute its calls with attnguard's SDPA twins of those flash-attn functions (sinks "
+        "repository is one whose builds are a flash-attn family's functions "
+        "(attnguard.kernel_identity.HUB_REPOS), attnguard's twins cover the library's code path "
+        "and the model passes nothing they do not compute",
+        "compute its calls with attnguard's SDPA twins of that family's functions (sinks "
         "included), the library's code path kept as it would run with the kernel",
         "backend_fallback",
         "hub_package_missing | hub_package_refused | hub_kernel_unavailable",
@@ -270,78 +247,139 @@ HUB_RULES: tuple[tuple[str, str, str, str, str], ...] = (
     (
         "hub-aside",
         "the hub kernel does not load, and attnguard does not know what it computes (a custom "
-        "repo, org/repo:function, block-sparse or quantized attention), does not recognise the "
-        "library's flash code path, or the model passes an argument the twins do not compute",
+        "repo, org/repo:function, a kernel with its own attention function, block-sparse or "
+        "quantized attention), does not recognise the library's flash code path, or the model "
+        "passes an argument the twins do not compute",
         "change nothing: the library's own error stands, exactly as without attnguard",
         "observed",
         "hub_* | flash_path_unrecognised | flash_argument_uncomputed",
     ),
+    (
+        "package-on-sdpa",
+        "a kernel package a library calls cannot run here (diffusers' flash / flash_varlen / "
+        "xformers backends; transformers' flash path once the load plan kept it: "
+        "attnguard.plan.TABLE) and its family has twins",
+        "the library's code runs as it would with the kernel, its kernel calls computed by "
+        "attnguard's twins of that family",
+        "backend_fallback",
+        "<backend status> | backend_package_unusable",
+    ),
+    (
+        "no-twin",
+        "a kernel package a library calls cannot run here and attnguard has no twin of its "
+        "family, or the library's code no longer calls the functions the twins replace",
+        "change nothing: the library's own error stands",
+        "observed",
+        "no_twin",
+    ),
 )
+
+SERVES, HUB_TWINS, HUB_ASIDE, PACKAGE_TWINS, NO_TWIN = (r[0] for r in RULES)
 
 
 @dataclass(frozen=True)
-class HubVerdict:
-    """What attnguard does about a hub kernel that did not load: compute its calls on the twins
-    (``twins``, a ``backend_fallback`` event) or step aside (the library's own error stands, one
-    ``observed`` event). ``reason_code`` / ``reason`` are the event's."""
+class Verdict:
+    """Which kernel computes the calls of a requested kernel, and why: one for every way in.
 
+    ``requested``: what was asked for; ``twins``: attnguard's twins of its family compute its
+    calls (else the kernel itself does, or its own error stands); ``rule``: the row of
+    :data:`RULES`; ``reason_code`` / ``problem`` / ``change``: what the event says ("" problem:
+    nothing is wrong)."""
+
+    requested: KernelId
     twins: bool
-    reason_code: str
-    reason: str
+    rule: str
+    reason_code: str = "ok"
+    problem: str = ""
+    change: str = ""
 
     @property
-    def rule(self) -> str:
-        return "hub-on-sdpa" if self.twins else "hub-aside"
+    def computes(self) -> str:
+        """What computes the calls, in events' words."""
+        return Kernel.SDPA_TWIN.value if self.twins else self.requested.name
+
+    @property
+    def event(self) -> str:
+        """The event that says this verdict ("" when nothing is wrong)."""
+        if not self.problem:
+            return ""
+        return "backend_fallback" if self.twins else "observed"
+
+    @property
+    def reason(self) -> str:
+        """The event's reason: the problem, then what attnguard does (or why it does nothing)."""
+        return f"{self.problem}; {self.change}" if self.change else self.problem
 
 
-def when_hub_kernel_fails(
-    name: str,
-    outcome: hub.HubKernel,
+def verdict(
+    kernel: KernelId,
+    cannot: tuple[str, str] | None,
     *,
     path_problem: str = "",
     uncomputed: tuple[str, ...] = (),
     chosen_for: str = "",
     library: str = "transformers",
-) -> HubVerdict:
-    """Pure: the verdict on hub kernel ``name`` that did not load (``outcome``). ``path_problem``:
-    why the library's flash code path cannot run on the twins ("" when it can);
-    ``uncomputed``: arguments the model's attention passes that the twins do not compute;
-    ``chosen_for``: the request the library routed to this kernel ("" when it was asked for; for
-    diffusers, the ``*_hub`` backend that loads it); ``library``: the library that loads it."""
-    how = ""
-    if chosen_for:
-        how = (
-            f" (transformers' choice for a {chosen_for} request)"
-            if library == "transformers"
-            else f" ({library}' {chosen_for} backend)"
-        )
-    problem = f"hub kernel {name}{how} cannot load here: {outcome.reason}"
-    functions = hub_twin_of(name)
-    if functions is None:
+    function: str = "",
+) -> Verdict:
+    """Pure: the verdict on ``kernel`` (what it is: :mod:`attnguard.kernel_identity`).
+
+    ``cannot``: (reason code, why) it cannot compute here (its package unusable, a hub kernel
+    that did not load), None when it can; ``path_problem``: why the library's code path around
+    the kernel cannot run on the twins ("" when it can); ``uncomputed``: arguments the caller
+    passes that the twins do not compute; ``chosen_for``: for a hub kernel, the request (or
+    diffusers backend) the library routed to it ("" when it was asked for), for a package
+    backend how it was chosen (" (chosen by ...)" or ""); ``library``: the library that loads
+    or calls it; ``function``: for a package backend, the kernel function the library
+    calls ("" where the twins of its family have none: no twin)."""
+    hub = kernel.source is Source.HUB
+    if cannot is None:
+        return Verdict(kernel, False, SERVES if hub else "kernel-serves")
+    code, why = cannot
+    if hub:
+        how = ""
+        if chosen_for:
+            how = (
+                f" (transformers' choice for a {chosen_for} request)"
+                if library == "transformers"
+                else f" ({library}' {chosen_for} backend)"
+            )
+        problem = f"hub kernel {kernel.name}{how} cannot load here: {why}"
+    else:
+        problem = f"{library} attention backend {kernel.name!r}{chosen_for} cannot run here ({why})"
+    aside, twins = (HUB_ASIDE, HUB_TWINS) if hub else (NO_TWIN, PACKAGE_TWINS)
+    stands = "its error stands" if hub else f"{library}' error stands"
+    if not kernel.computable or (not hub and not function):
         also = f" (and the model's attention passes {', '.join(uncomputed)})" if uncomputed else ""
-        return HubVerdict(
-            False,
-            outcome.reason_code,
-            f"{problem}; attnguard does not know what this kernel computes{also}, so its error "
-            "stands",
-        )
+        known = "does not know what this kernel computes" if hub else "has no twin of this kernel"
+        return Verdict(kernel, False, aside, code, problem, f"attnguard {known}{also}, so {stands}")
     if path_problem:
-        return HubVerdict(
+        return Verdict(
+            kernel,
             False,
-            "flash_path_unrecognised",
-            f"{problem}; attnguard does not recognise how this {library} release wires its "
-            f"flash code path ({path_problem}), so its error stands",
+            aside,
+            "flash_path_unrecognised" if hub else "no_twin",
+            problem,
+            f"attnguard does not recognise how this {library} release wires its flash code "
+            f"path ({path_problem}), so {stands}"
+            if hub
+            else f"{path_problem}: {stands}",
         )
     if uncomputed:
-        return HubVerdict(
+        return Verdict(
+            kernel,
             False,
+            aside,
             "flash_argument_uncomputed",
-            f"{problem}; the model's attention passes {', '.join(uncomputed)}, which attnguard's "
-            "twins do not compute, so its error stands",
+            problem,
+            f"the model's attention passes {', '.join(uncomputed)}, which attnguard's twins do "
+            f"not compute, so {stands}",
         )
-    return HubVerdict(
-        True,
-        outcome.reason_code,
-        f"{problem}; attnguard: compute its calls with attnguard's SDPA twins of the "
-        f"{functions} functions (same semantics)",
+    family = kernel.family.value if kernel.family is not None else ""
+    change = (
+        f"attnguard: compute its calls with attnguard's SDPA twins of the {family} functions "
+        "(same semantics)"
+        if hub
+        else f"{library}' backend function runs with attnguard's twin of {function} (torch SDPA) "
+        "in place of the kernel"
     )
+    return Verdict(kernel, True, twins, code, problem, change)

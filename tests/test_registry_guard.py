@@ -18,6 +18,7 @@ import attnguard
 from attnguard import callguard
 from attnguard.integrations.transformers import attention as transformers_attention
 from attnguard.integrations.transformers import interface
+from attnguard.kernels import EntryKind
 from attnguard.observability import events
 
 transformers = pytest.importorskip("transformers")
@@ -240,14 +241,16 @@ def test_float_mask_of_another_half_dtype_is_cast(guard):
 
 
 def _flash_entry_with_fake_kernel():
-    """The flash entry's guard around a fake kernel that records the dtype it was given."""
+    """The flash entry's guard around a fake kernel that records the dtype it was given (in place
+    of transformers' flash code path: the entry is guarded as that path would be)."""
     got = []
 
     def kernel(module, query, key, value, attention_mask, **kwargs):
         got.append(query.dtype)
         return torch.zeros_like(query).transpose(1, 2), None
 
-    return transformers_attention.wrap_registry_entry("flash_attention_2", kernel), got
+    flash = EntryKind.REGISTRY_FLASH
+    return transformers_attention.wrap_registry_entry("flash_attention_2", kernel, flash), got
 
 
 @pytest.mark.smoke

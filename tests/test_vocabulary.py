@@ -59,7 +59,7 @@ def test_the_docs_name_things_at_all() -> None:
     [
         ("event", EVENT_NAMES),
         ("reason_code", CODES | {"ValueError", "TypeError", "RuntimeError"}),
-        ("rule", {r.id for r in plan.TABLE} | {r[0] for r in kernels.HUB_RULES}),
+        ("rule", {r.id for r in plan.TABLE} | {r[0] for r in kernels.RULES}),
         ("setting", SETTINGS),
     ],
 )

@@ -40,7 +40,7 @@ from ..kernels import FLASH_MAX_HEAD_DIM, EntryKind, classify_kernel_error
 from ..observability import events
 from ..selection.buckets import SELECTED_ENTRIES
 from ..selection.buckets import UNSERVED as _UNSERVED
-from .entry import Entry, Tensor, decide, latch, latched, note, reset_latches, settle
+from .entry import Entry, Tensor, apply_verdict, decide, latch, latched, note, reset_latches
 from .remedy import recover_after_error, remedy_call
 
 _BF16 = torch.bfloat16
@@ -49,8 +49,8 @@ _FP16 = torch.float16
 
 __all__ = [
     "Entry",
+    "apply_verdict",
     "decide",
-    "settle",
     "guard",
     "latch",
     "latched",

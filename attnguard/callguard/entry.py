@@ -6,14 +6,18 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Hashable
 from contextvars import ContextVar, Token
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._settings import InForce
+from ..computing import NOW
 from ..config import Settings
 from ..errors import AttnGuardError
 from ..observability import events
+
+if TYPE_CHECKING:
+    from ..kernels import Verdict
 
 Tensor = torch.Tensor
 
@@ -30,9 +34,10 @@ _FP32 = torch.float32
 _BOOL = torch.bool
 
 
-# latch key -> reason_code of the kernel error that latched it. A latched site skips its kernel
-# and goes straight to the twin: a failing kernel is not retried on every call.
-latched: dict[Hashable, str] = {}
+# latch key -> reason_code of the kernel error that latched it (the table of what computes now,
+# its per-call view). A latched site skips its kernel and goes straight to the twin: a failing
+# kernel is not retried on every call.
+latched: dict[Hashable, str] = NOW.latched
 
 
 _REMEDY_TEXT = {
@@ -97,42 +102,48 @@ def decide(
     return apply
 
 
-def settle(
-    st: Settings | None, twins: bool, site: str, reason_code: str, reason: str, **fields: Any
+def apply_verdict(
+    st: Settings | None, verdict: Verdict, site: str, subject: str, **fields: Any
 ) -> bool:
-    """What a kernel that did not load comes to (a hub kernel: :func:`attnguard.kernels.
-    when_hub_kernel_fails` gave ``twins``, ``reason_code`` and ``reason``). True: the twins
-    compute its calls (fix mode; one ``backend_fallback`` event). False: the library's own error
-    stands, and one event says why — attnguard steps aside (``observed``), the fallback remedy
-    is switched off (``observed``, saying so), warn mode (what fix mode would do). Strict mode
-    raises AttnGuardError."""
-    if not twins:
-        note("observed", site, reason_code, reason, **fields)
+    """Apply ``verdict`` (:func:`attnguard.kernels.verdict`) to ``subject`` (a row of
+    :data:`attnguard.computing.NOW`): the one place that owns fix / warn / strict / off for what
+    computes a kernel's calls. True: the twins compute them from now on (fix mode; one
+    ``backend_fallback`` event). False: the kernel itself computes them (nothing wrong: nothing
+    said), or its own error stands and one event says why — attnguard steps aside
+    (``observed``), the fallback remedy is switched off (``observed``, saying so), warn mode
+    (what fix mode would do), the guard is off (nothing). Strict mode raises AttnGuardError.
+    The row written says which."""
+    from dataclasses import replace
+
+    if not verdict.problem:  # the kernel computes its calls: recorded, nothing said
+        NOW.set(subject, verdict)
+        return False
+    if not verdict.twins:
+        NOW.set(subject, verdict)
+        note("observed", site, verdict.reason_code, verdict.reason, **fields)
         return False
     if st is None or not st.enabled:
         return False
+    left = replace(verdict, twins=False)
     if not st.allows("fallback"):  # said, as any remedy ATTNGUARD_DISABLE switches off
-        problem = reason.split("; attnguard:", 1)[0]
-        note(
-            "observed",
-            site,
-            reason_code,
-            f"{problem}; left as is (ATTNGUARD_DISABLE names fallback)",
-            **fields,
-        )
+        left = replace(left, change="left as is (ATTNGUARD_DISABLE names fallback)")
+        NOW.set(subject, left)
+        note("observed", site, verdict.reason_code, left.reason, **fields)
         return False
     from ..kernels import Kernel
 
-    return decide(
+    applied = decide(
         st,
         "fallback",
         "backend_fallback",
         site,
-        reason_code,
-        reason,
+        verdict.reason_code,
+        verdict.reason,
         selected=Kernel.SDPA_TWIN.value,
         **fields,
     )
+    NOW.set(subject, verdict if applied else left)
+    return applied
 
 
 def latch(key: Hashable, reason_code: str) -> None:
@@ -142,7 +153,7 @@ def latch(key: Hashable, reason_code: str) -> None:
 
 def reset_latches() -> None:
     """Forget every latched site (tests; and after deactivate nothing should stay latched)."""
-    latched.clear()
+    NOW.latched.clear()
 
 
 def mask_dtype_ok(mask_dtype: torch.dtype, dtype: torch.dtype) -> bool:

@@ -30,6 +30,15 @@ from .entry import (
     release_notes,
 )
 
+_REGISTRY = frozenset(
+    {
+        EntryKind.REGISTRY_FLASH,
+        EntryKind.REGISTRY_SDPA,
+        EntryKind.REGISTRY_OTHER,
+        EntryKind.REGISTRY_PAGED,
+    }
+)
+
 
 class _Refused(Exception):
     """A same-call twin refused the call (:attr:`Entry.same_call_twin`)."""
@@ -70,13 +79,9 @@ def _remedy(
     names = entry.tensors
     query = c.get(names[0])
     dev = query.device
-    registry = entry.kind in (
-        EntryKind.REGISTRY_FLASH,
-        EntryKind.REGISTRY_SDPA,
-        EntryKind.REGISTRY_OTHER,
-    )
+    registry = entry.kind in _REGISTRY
     mask = c.get(entry.mask) if entry.mask else None
-    paged = registry and kwargs.get("cache") is not None
+    paged = entry.kind == EntryKind.REGISTRY_PAGED or (registry and kwargs.get("cache") is not None)
 
     # (1) devices first: the dtype decision below must look at tensors on one device.
     strays = {
@@ -293,12 +298,10 @@ def recover_after_error(
     """The fast path's kernel raised a known error: recover as the slow path would."""
     c = GuardedCall(entry, args, kwargs)
     known = classify_kernel_error(error)
-    paged = entry.kind == EntryKind.REGISTRY_OTHER and kwargs.get("cache") is not None
-    if (
-        known is None
-        or paged
-        or (entry.kind == EntryKind.REGISTRY_OTHER and "paged" in entry.name.lower())
-    ):
+    paged = entry.kind == EntryKind.REGISTRY_PAGED or (
+        entry.kind == EntryKind.REGISTRY_OTHER and kwargs.get("cache") is not None
+    )
+    if known is None or paged:
         raise error
     try:
         return recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)

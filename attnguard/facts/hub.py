@@ -12,7 +12,6 @@ compute it on the twins, or step aside — is :func:`attnguard.kernels.when_hub_
 from __future__ import annotations
 
 import os
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,25 +21,7 @@ HUB_PACKAGE_MISSING = "hub_package_missing"
 HUB_PACKAGE_REFUSED = "hub_package_refused"
 HUB_KERNEL_UNAVAILABLE = "hub_kernel_unavailable"
 
-# transformers' own pattern of a hub kernel name: "org/repo", "org/repo@revision",
-# "org/repo:function"
-_HUB_NAME = re.compile(r"^([^/:@|]+/[^/:@|]+)(?:@[^/:]+)?(?::([^/:]+))?$")
 _TRUE = ("1", "ON", "YES", "TRUE")
-
-
-def repo_of(name: object) -> str | None:
-    """The hub repository a kernel name names (``"org/repo"``), or None when it is no hub
-    kernel name (``"flash_attention_2"``, ``"sdpa"``, a dict)."""
-    if not isinstance(name, str):
-        return None
-    found = _HUB_NAME.match(name.strip().split("|", 1)[-1])
-    return found.group(1) if found else None
-
-
-def function_of(name: str) -> str | None:
-    """The single function a name picks from its repo (``"org/repo:function"``), else None."""
-    found = _HUB_NAME.match(name.strip().split("|", 1)[-1])
-    return found.group(2) if found else None
 
 
 def offline() -> bool:

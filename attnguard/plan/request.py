@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import kernel_identity
 from ..config import Settings
 from ..facts import FLASH_BACKENDS, Facts, canonical_backend
 
@@ -166,7 +167,12 @@ def dtype_name(dtype: Any) -> str | None:
 
 
 def is_flash(name: Any) -> bool:
-    return isinstance(name, str) and canonical_backend(name) in FLASH_BACKENDS
+    """A request whose kernel is one of flash-attn's families: ``flash_attention_2/3/4`` (and
+    their paged variants), or a hub kernel known to be one (a request by hub name gets the same
+    rows as ``flash_attention_2`` routed to that kernel)."""
+    if not isinstance(name, str):
+        return False
+    return canonical_backend(name) in FLASH_BACKENDS or kernel_identity.is_flash_request(name)
 
 
 def half_dtype(facts: Facts, settings: Settings) -> str:

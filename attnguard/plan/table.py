@@ -37,7 +37,7 @@ TABLE: tuple[Rule, ...] = (
         "no_cuda, capability_too_low, version_too_old, probe_failed (a tiny test call failed); "
         "transformers loads no hub kernel for it (no `kernels` package at a version it accepts, "
         "and no routing of the model to a hub kernel: otherwise the hub rules of "
-        "attnguard.kernels.HUB_RULES apply); the model supports flash attention and "
+        "attnguard.kernels.RULES apply); the model supports flash attention and "
         "attnguard's SDPA twins cover this transformers release; sdpa is the first usable "
         "backend of ATTNGUARD_FALLBACK",
         "keep transformers' flash code path (padding, packed rows, sliding windows, softcap, "

@@ -20,21 +20,21 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from ... import callguard, runtime
+from ... import callguard, kernels, runtime
+from ...computing import NOW, subject
 from ...errors import AttnGuardError
 from ...failopen import report_internal_error
-from ...kernels import Kernel
+from ...kernel_identity import KernelId, Source
 from ...observability import events
 from ..ledger import Ledger
 from . import hub, shape
 
 ledger = Ledger("diffusers")
 _lock = threading.Lock()
-_served: dict[str, str] = {}  # backend name -> diffusers' requirements error, while on twins
-_refused: set[str] = set()  # backends left with diffusers' error (one event each)
 
 
 def site(backend: str) -> str:
@@ -107,29 +107,43 @@ def serve(module: ModuleType, name: str, err: RuntimeError, how: str = "") -> bo
         return False
 
 
+def _identity(name: str) -> KernelId:
+    """What backend ``name``'s kernel is: its package's family (None: attnguard has no twin)."""
+    twinned = shape.TWINNED.get(name)
+    return KernelId(name, Source.PACKAGE, twinned.family if twinned is not None else None)
+
+
 def _serve(module: ModuleType, name: str, err: RuntimeError, how: str) -> bool:
     with _lock:
-        if name in _served:
+        row = subject("diffusers", name)
+        if NOW.on_twins(row):
             return True
         twinned = shape.TWINNED.get(name)
         fn = getattr(shape.registry(module), "_backends", {}).get(shape.backends(module).get(name))
-        if twinned is None or not _unusable(module, name):
-            return _no_twin(name, err, "attnguard has no twin of this backend's kernel")
-        if not shape.reads_names(fn, twinned.kernels):
-            return _no_twin(name, err, f"its function no longer calls {', '.join(twinned.kernels)}")
-        if not callguard.decide(
-            runtime.IN_FORCE.settings,
-            "fallback",
-            "backend_fallback",
-            site(name),
-            "backend_package_unusable",
-            f"diffusers attention backend {name!r}{how} cannot run here "
-            f"({_first_line(err)}); diffusers' backend function runs with attnguard's twin of "
-            f"{twinned.function} (torch SDPA) in place of the kernel",
-            requested=name,
-            selected=Kernel.SDPA_TWIN.value,
+        problem = ""
+        if twinned is not None and not _unusable(module, name):
+            twinned = None  # the package's functions exist: nothing to stand in for
+        elif twinned is not None and not shape.reads_names(fn, twinned.kernels):
+            problem = f"its function no longer calls {', '.join(twinned.kernels)}"
+        decided = kernels.verdict(
+            _identity(name),
+            ("backend_package_unusable", _first_line(err)),
+            path_problem=problem,
+            chosen_for=how,
+            library="diffusers",
+            function=twinned.function if twinned is not None else "",
+        )
+        if decided.twins:
+            decided = replace(decided, reason_code="backend_package_unusable")
+        else:
+            decided = replace(decided, reason_code="no_twin")
+        if NOW.get(row) is not None and not decided.twins:
+            return False  # said once
+        if not callguard.apply_verdict(
+            runtime.IN_FORCE.settings, decided, site(name), row, requested=name
         ):
             return False
+        assert twinned is not None
         from .twins import kernel_twins
 
         twins = kernel_twins()
@@ -139,21 +153,19 @@ def _serve(module: ModuleType, name: str, err: RuntimeError, how: str) -> bool:
         for g in twinned.refused:
             if hasattr(module, g) and getattr(module, g) is None:
                 ledger.patch(module, g, lambda _o: _refusal(name, err))
-        _served[name] = _first_line(err)
         return True
 
 
 def _no_twin(name: str, err: RuntimeError, why: str) -> bool:
-    if name not in _refused:
-        _refused.add(name)
-        events.emit(
-            "observed",
-            site=site(name),
-            reason_code="no_twin",
-            reason=f"diffusers attention backend {name!r} cannot run here "
-            f"({_first_line(err)}) and {why}: diffusers' error stands",
-            requested=name,
+    row = subject("diffusers", f"{name}:{why}")
+    if NOW.get(row) is None:
+        decided = kernels.verdict(
+            KernelId(name, Source.PACKAGE, None),
+            ("no_twin", _first_line(err)),
+            library="diffusers",
         )
+        decided = replace(decided, reason_code="no_twin", change=f"{why}: diffusers' error stands")
+        callguard.apply_verdict(runtime.IN_FORCE.settings, decided, site(name), row, requested=name)
     return False
 
 
@@ -169,13 +181,6 @@ def _refusal(name: str, err: RuntimeError) -> Callable[..., Any]:
     return refused
 
 
-def served() -> dict[str, str]:
-    """Backends running on twins in this process -> why (diffusers' requirements error)."""
-    return dict(_served)
-
-
 def unpatch() -> None:
     ledger.unpatch_all()
-    with _lock:
-        _served.clear()
-        _refused.clear()
+    NOW.clear("diffusers")

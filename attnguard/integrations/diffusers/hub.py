@@ -32,7 +32,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ... import callguard, kernels, runtime
+from ... import callguard, kernel_identity, kernels, runtime
+from ...computing import NOW, subject
 from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
@@ -43,7 +44,7 @@ from . import shape
 SITE = "diffusers.hub_kernel"  # events say f"{SITE}:{repo}": one per hub kernel
 ledger = Ledger("diffusers_hub")
 _lock = threading.RLock()
-_serving: dict[str, str] = {}  # backend name -> the repo whose calls the twins compute
+_KERNEL_ATTRS = ("kernel_fn", "wrapped_forward_fn", "wrapped_backward_fn")
 # diffusers' words for a `kernels` release it refuses ("... a `kernels` version of at least 0.12")
 _AT_LEAST = re.compile(r"`kernels` version of at least (\d+(?:\.\d+)*)")
 
@@ -70,6 +71,10 @@ def patch(module: ModuleType) -> None:
         ledger.patch(module, shape.HUB_LOADER, lambda original: _wrap_loader(module, original))
 
 
+def _row(name: str) -> str:
+    return subject("diffusers", name)
+
+
 def _wrap_loader(module: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _maybe_download_kernel_for_backend(backend: Any) -> Any:
@@ -77,19 +82,32 @@ def _wrap_loader(module: ModuleType, original: Callable[..., Any]) -> Callable[.
         config = shape.hub_configs(module).get(name)
         if config is None or runtime.IN_FORCE.settings is None:
             return original(backend)
-        if name in _serving:  # the twins compute it: nothing to load
-            return None
+        # diffusers' own attempt, every time it makes one: where the twins serve the backend
+        # after a failed load, its loader sees the kernel missing again and tries (the kernel
+        # may load now), and the twins stay where it fails again
+        ours = {a: getattr(config, a, None) for a in _KERNEL_ATTRS}
+        ours = {a: fn for a, fn in ours.items() if getattr(fn, "__attnguard_twin__", False)}
+        for attr in ours:
+            setattr(config, attr, None)
         try:
             result = original(backend)
         except Exception as err:
-            if not failed(module, name, err):
-                raise
-            return None
+            for attr, fn in ours.items():
+                setattr(config, attr, fn)
+            if ours or failed(module, name, err):
+                return None
+            raise
         try:
             if config.kernel_fn is not None:
                 hub_facts.record(config.repo_id, None, package(None), library="diffusers")
-        except Exception as ours:
-            report_internal_error(f"{SITE}:{config.repo_id}", ours)
+                identity = kernel_identity.of_request(config.repo_id)
+                if identity is not None:
+                    decided = kernels.verdict(identity, None, library="diffusers")
+                    callguard.apply_verdict(
+                        runtime.IN_FORCE.settings, decided, f"{SITE}:{config.repo_id}", _row(name)
+                    )
+        except Exception as ours_err:
+            report_internal_error(f"{SITE}:{config.repo_id}", ours_err)
         return result
 
     _maybe_download_kernel_for_backend.__attnguard_original__ = original  # type: ignore[attr-defined]
@@ -113,22 +131,24 @@ def _failed(module: ModuleType, name: str, err: BaseException) -> bool:
     config = shape.hub_configs(module)[name]
     repo = config.repo_id
     with _lock:
-        if name in _serving:
+        if NOW.on_twins(_row(name)):
             return True
         outcome = hub_facts.record(repo, err, package(err), library="diffusers")
         twin, problem = _twin(module, name, config)
-        verdict = kernels.when_hub_kernel_fails(
-            repo, outcome, path_problem=problem, chosen_for=name, library="diffusers"
+        identity = kernel_identity.of_request(repo) or kernel_identity.KernelId(
+            repo, kernel_identity.Source.HUB, None
+        )
+        decided = kernels.verdict(
+            identity,
+            (outcome.reason_code, outcome.reason),
+            path_problem=problem,
+            chosen_for=name,
+            library="diffusers",
         )
         site = f"{SITE}:{repo}"
-        fields = {"requested": name, "hub_kernel": repo, "rule": verdict.rule}
-        if not callguard.settle(
-            runtime.IN_FORCE.settings,
-            verdict.twins,
-            site,
-            verdict.reason_code,
-            verdict.reason,
-            **fields,
+        fields = {"requested": name, "hub_kernel": repo, "rule": decided.rule}
+        if not callguard.apply_verdict(
+            runtime.IN_FORCE.settings, decided, site, _row(name), **fields
         ):
             return False
         assert twin is not None
@@ -142,13 +162,14 @@ def _twin(module: ModuleType, name: str, config: Any) -> tuple[Callable[..., Any
     computes)."""
     from .twins import hub_kernel_twin
 
-    major = kernels.hub_flash_major(config.repo_id)
+    identity = kernel_identity.of_request(config.repo_id)
+    major = identity.major if identity is not None else None
     if major is None:
         return None, ""
     fn = shape.registry(module)._backends.get(shape.backends(module).get(name))
     if not shape.reads_names(fn, shape.HUB_KERNEL_READS):
         return None, "its *_hub backend function does not call the hub kernel's kernel_fn"
-    if config.kernel_fn is not None:
+    if config.kernel_fn is not None and not getattr(config.kernel_fn, "__attnguard_twin__", False):
         return None, "the hub kernel loaded, and diffusers refused what it found in it"
     twin = hub_kernel_twin(major, config.function_attr)
     if twin is None:
@@ -162,23 +183,24 @@ def _serve(name: str, config: Any, twin: Callable[..., Any], err: BaseException)
     from ...fallback.fa3_fa4 import Uncomputed
 
     repo = config.repo_id
-    kernel = twin
-    if twin.__module__ == Uncomputed.__module__:  # may meet arguments it does not compute
 
-        @functools.wraps(twin)
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return twin(*args, **kwargs)
-            except Uncomputed as why:
-                _stand_aside(name, repo, f"calls passing {why}")
-                raise err.with_traceback(None) from None
+    @functools.wraps(twin)
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return twin(*args, **kwargs)
+        except Uncomputed as why:  # an argument the twin does not compute: diffusers' error
+            _stand_aside(name, repo, f"calls passing {why}")
+            raise err.with_traceback(None) from None
 
+    kernel.__attnguard_twin__ = True  # type: ignore[attr-defined]
     ledger.patch(config, "kernel_fn", lambda _o: kernel)
+    config.kernel_fn = kernel  # again, where the ledger holds an earlier patch
     for fn_attr in ("wrapped_forward_fn", "wrapped_backward_fn"):
         path = getattr(config, fn_attr.replace("_fn", "_attr"), None)
         if path is not None and getattr(config, fn_attr, None) is None:
-            ledger.patch(config, fn_attr, lambda _o: _refusal(name, repo, err))
-    _serving[name] = repo
+            refused = _refusal(name, repo, err)
+            ledger.patch(config, fn_attr, lambda _o, _r=refused: _r)
+            setattr(config, fn_attr, refused)
 
 
 def _stand_aside(name: str, repo: str, what: str) -> None:
@@ -201,20 +223,17 @@ def _refusal(name: str, repo: str, err: BaseException) -> Callable[..., Any]:
         _stand_aside(name, repo, "context-parallel calls")
         raise err.with_traceback(None)
 
+    refused.__attnguard_twin__ = True  # type: ignore[attr-defined]
     return refused
-
-
-def serving() -> dict[str, str]:
-    """``*_hub`` backends whose calls the twins compute in this process -> the hub kernel."""
-    return dict(_serving)
 
 
 def describe(module: ModuleType, name: str, usable: bool) -> str:
     """``attnguard doctor``'s words for what computes backend ``name``'s calls here."""
     config = shape.hub_configs(module)[name]
     repo = config.repo_id
-    functions = kernels.hub_twin_of(repo)
-    if name in _serving:
+    identity = kernel_identity.of_request(repo)
+    functions = identity.family.value if identity is not None and identity.computable else None
+    if NOW.on_twins(_row(name)):
         found = hub_facts.outcome(repo)
         why = f": {found.reason_code}" if found is not None else ""
         return (
@@ -225,9 +244,9 @@ def describe(module: ModuleType, name: str, usable: bool) -> str:
         return f"{repo}, loaded by diffusers (as requested)"
     code = hub_facts.HUB_KERNEL_UNAVAILABLE if usable else hub_facts.HUB_PACKAGE_MISSING
     twin, problem = _twin(module, name, config)
-    verdict = kernels.when_hub_kernel_fails(
-        repo,
-        hub_facts.HubKernel(repo, False, code, "", "diffusers"),
+    decided = kernels.verdict(
+        identity or kernel_identity.KernelId(repo, kernel_identity.Source.HUB, None),
+        (code, ""),
         path_problem=problem,
         chosen_for=name,
         library="diffusers",
@@ -235,7 +254,7 @@ def describe(module: ModuleType, name: str, usable: bool) -> str:
     where = "where it cannot load" if usable else "it cannot load here"
     then = (
         f"attnguard's twin of {functions}'s {config.function_attr}"
-        if verdict.twins
+        if decided.twins
         else "diffusers' own error"
     )
     return f"{repo} (diffusers loads it when chosen); {where}: {then}"
@@ -243,6 +262,5 @@ def describe(module: ModuleType, name: str, usable: bool) -> str:
 
 def unpatch() -> None:
     ledger.unpatch_all()
-    with _lock:
-        _serving.clear()
+    NOW.clear("diffusers")
     hub_facts.reset("diffusers")

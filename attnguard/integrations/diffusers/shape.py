@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ...kernel_identity import Family
 from ...observability import events
 
 
@@ -25,6 +26,7 @@ class Twinned:
     """A backend whose package's functions attnguard has twins of."""
 
     package: str  # the distribution diffusers needs for it
+    family: Family  # what the package's functions are
     function: str  # the package's function the twins stand for, as users know it
     kernels: tuple[str, ...]  # module globals the backend function calls: served by twins
     # module globals of that package the backend reaches only for calls the twins do not
@@ -35,12 +37,17 @@ class Twinned:
 TWINNED: dict[str, Twinned] = {
     "flash": Twinned(
         "flash-attn",
+        Family.FA2,
         "flash_attn_func",
         ("flash_attn_func",),
         ("_wrapped_flash_attn_forward", "_wrapped_flash_attn_backward"),
     ),
-    "flash_varlen": Twinned("flash-attn", "flash_attn_varlen_func", ("flash_attn_varlen_func",)),
-    "xformers": Twinned("xformers", "xformers.ops.memory_efficient_attention", ("xops",)),
+    "flash_varlen": Twinned(
+        "flash-attn", Family.FA2, "flash_attn_varlen_func", ("flash_attn_varlen_func",)
+    ),
+    "xformers": Twinned(
+        "xformers", Family.XFORMERS, "xformers.ops.memory_efficient_attention", ("xops",)
+    ),
 }
 
 # torch's own backends: ``native`` lets SDPA choose its kernel; the others force one

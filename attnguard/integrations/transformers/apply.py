@@ -79,7 +79,7 @@ def report(plan: Plan, settings: Settings, site: str) -> AttnGuardError | None:
         if action.rule == "flash-on-sdpa" and apply:
             from . import flash_path
 
-            flash_path.announced(action.reason_code)
+            flash_path.announced(action.before, action.reason_code, action.problem, action.change)
     return error
 
 

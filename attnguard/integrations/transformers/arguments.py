@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from ... import callguard
+from ...computing import NOW
 from ..ledger import Ledger
 from . import wiring as transformers_wiring
 from .wiring import FUNC
@@ -220,11 +221,11 @@ def unpatch() -> None:
         _computed = None
 
 
-# flash registry key -> the keyword arguments its flash path computes while attnguard's twins
-# serve it (set by the integration that hands the twins over): a call with another argument that
-# can carry numbers takes the slow path, where it is never dropped silently.
-TWIN_ARGUMENTS: dict[str, frozenset[str]] = {}
-# attention module type -> the arguments outside TWIN_ARGUMENTS its own code passes the flash
+# Which flash registry keys the twins serve, and the keyword arguments their flash path computes
+# there, is the table of what computes now (``NOW.twin_arguments``, set by the integration that
+# hands the twins over): a call with another argument that can carry numbers takes the slow path,
+# where it is never dropped silently.
+# attention module type -> the arguments outside NOW.twin_arguments its own code passes the flash
 # entry by name (its other keywords are threaded through **kwargs, which every implementation
 # drops alike); ANY where its code is not readable. Judged at load (or at its first eager call).
 TWIN_ASIDE: dict[type, frozenset[str]] = {}
@@ -254,7 +255,7 @@ def uncomputed_error(
     (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
     error the call meets without attnguard (to raise), after one event naming the argument;
     None when every argument is computed (also where the twins do not serve this entry)."""
-    if TWIN_ARGUMENTS.get(entry.name) is None:
+    if NOW.twin_arguments.get(entry.name) is None:
         return None
     aside = judge(type(args[0])) if args else frozenset({ANY})
     names = uncomputed(kwargs, None if ANY in aside else aside)
@@ -276,7 +277,7 @@ def uncomputed_error(
 
 
 def judge(caller: type) -> frozenset[str]:
-    """The arguments outside TWIN_ARGUMENTS that attention class ``caller`` passes by name (ANY
+    """The arguments outside NOW.twin_arguments that attention class ``caller`` passes by name (ANY
     where its code is not readable), remembered for its calls (:data:`TWIN_ASIDE`)."""
     found = TWIN_ASIDE.get(caller)
     if found is None:

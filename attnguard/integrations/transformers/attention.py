@@ -12,14 +12,17 @@ someone replaced our entry since.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from ... import callguard, runtime
+from ... import callguard, kernel_identity, runtime
+from ...computing import NOW, subject
 from ...fallback.registry import all_sdpa_backends, flash_call_on_sdpa
+from ...kernel_identity import DROPOUT_FAMILIES, Family, KernelId
 from ...kernels import EntryKind
 from ...observability import events
 from ..ledger import Ledger
@@ -34,25 +37,54 @@ _BOOL = torch.bool
 _FP32 = torch.float32
 
 
-def registry_kind(name: str) -> str:
-    """How the guard treats a registry key: flash rules, sdpa rules, or dtype/device only."""
-    low = name.lower()
-    if "paged" in low:
-        return (
-            EntryKind.REGISTRY_OTHER
-        )  # the cache update runs inside: never re-run or reroute these
-    if "flash" in low:
-        return EntryKind.REGISTRY_FLASH
-    if low == "sdpa":
+# transformers' own registry functions, known by the object itself (module, attribute)
+_FLASH_FUNCTION = ("transformers.integrations.flash_attention", "flash_attention_forward")
+_SDPA_FUNCTION = ("transformers.integrations.sdpa_attention", "sdpa_attention_forward")
+# transformers' paged functions update the cache inside: never re-run or rerouted
+_PAGED_MODULES = frozenset(
+    f"transformers.integrations.{m}" for m in ("flash_paged", "sdpa_paged", "eager_paged")
+)
+
+
+def _is(fn: Any, where: tuple[str, str]) -> bool:
+    return fn is not None and getattr(sys.modules.get(where[0]), where[1], None) is fn
+
+
+def identity(name: str) -> KernelId | None:
+    """What the kernel behind registry key ``name`` is: the verdict recorded when it loaded (a hub
+    kernel, known by the functions it exports), else what its whole name says."""
+    found = NOW.get(subject("transformers", name))
+    return found.requested if found is not None else kernel_identity.of_request(name)
+
+
+def registry_kind(name: str, fn: Any) -> EntryKind | None:
+    """How the guard treats registry entry ``name`` holding ``fn``, from what ``fn`` is (never
+    from a piece of ``name``): transformers' flash code path (flash rules, with the twins of the
+    family of the kernel behind ``name``), its sdpa function (sdpa rules), a paged function
+    (dtypes and devices only, never re-run), any other function (dtypes and devices only); None:
+    left untouched — a hub kernel's own attention function, or transformers' flash code path
+    over a kernel whose semantics attnguard does not know (its own calls, its own errors)."""
+    fn = getattr(fn, "__attnguard_original__", fn)
+    if _is(fn, _FLASH_FUNCTION):
+        kernel = identity(name)
+        if kernel is not None and kernel.family is Family.PAGED:
+            return EntryKind.REGISTRY_PAGED
+        return EntryKind.REGISTRY_FLASH if kernel is None or kernel.flash else None
+    if _is(fn, _SDPA_FUNCTION):
         return EntryKind.REGISTRY_SDPA
+    if getattr(fn, "__module__", None) in _PAGED_MODULES or kernel_identity.bare(name) != name:
+        return EntryKind.REGISTRY_PAGED
+    if kernel_identity.hub_repo(name) is not None:
+        return None  # a hub kernel's own attention function: untouched
     return EntryKind.REGISTRY_OTHER
 
 
-def _registry_entry(name: str, original: Callable[..., Any]) -> callguard.Entry:
-    kind = registry_kind(name)
+def _registry_entry(name: str, original: Callable[..., Any], kind: EntryKind) -> callguard.Entry:
     twin: Callable[..., Any] | None = None
     if kind == EntryKind.REGISTRY_FLASH:
-        twin = _registry_flash_twin
+        kernel = identity(name)
+        dropout = kernel is None or kernel.family in DROPOUT_FAMILIES
+        twin = _registry_flash_twin if dropout else _registry_flash_twin_no_dropout
     elif kind == EntryKind.REGISTRY_SDPA:
         twin = functools.partial(_sdpa_every_backend, original)
     # (module, query, key, value, attention_mask, ...): the registry's calling convention
@@ -76,6 +108,17 @@ def _registry_flash_twin(
     module: Any, query: Any, key: Any, value: Any, *rest: Any, **kw: Any
 ) -> Any:
     mask = rest[0] if rest else kw.pop("attention_mask", None)
+    return flash_call_on_sdpa(module, query, key, value, mask, rest, kw, window=_flash_window(kw))
+
+
+def _registry_flash_twin_no_dropout(
+    module: Any, query: Any, key: Any, value: Any, *rest: Any, **kw: Any
+) -> Any:
+    """The flash registry entry's twin for a family without dropout (flash-attn 3 and 4 take no
+    ``dropout_p``: transformers' flash path never hands them the model's dropout)."""
+    mask = rest[0] if rest else kw.pop("attention_mask", None)
+    kw.pop("dropout", None)
+    rest = rest[:1]  # (attention_mask,): a positional dropout is dropped, as the path drops it
     return flash_call_on_sdpa(module, query, key, value, mask, rest, kw, window=_flash_window(kw))
 
 
@@ -125,17 +168,19 @@ def registry_site(name: str, args: tuple[Any, ...]) -> str:
     return f"transformers.{name}:{type(args[0]).__name__ if args else '?'}"
 
 
-def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_registry_entry(
+    name: str, original: Callable[..., Any], kind: EntryKind | None = None
+) -> Callable[..., Any]:
     """A guarded closure for one attention-registry function (signature preserved).
 
     Registry functions are called ``fn(module, query, key, value, attention_mask, ...)``. The
     check is inlined (a helper call would cost as much as a check); devices compare as
     ``get_device()`` integers, cheaper than ``torch.device`` objects.
     """
-    entry = _registry_entry(name, original)
-    lat = callguard.latched
+    entry = _registry_entry(name, original, kind or registry_kind(name, original) or _OTHER)
+    lat = NOW.latched
     flash = entry.kind == EntryKind.REGISTRY_FLASH
-    twin_arguments, aside_for = arguments.TWIN_ARGUMENTS, arguments.TWIN_ASIDE
+    twin_arguments, aside_for = NOW.twin_arguments, arguments.TWIN_ASIDE
     watch, compiling, note_call = (
         twin_calls.WATCH,
         twin_calls._is_compiling,
@@ -185,11 +230,34 @@ def _is_guarded(fn: Any) -> bool:
     return getattr(fn, "__attnguard_original__", None) is not None
 
 
+_OTHER = EntryKind.REGISTRY_OTHER
+
+
 def _guard_entry(mapping: dict[str, Any], key: str) -> None:
     fn = mapping.get(key)
     if not callable(fn) or _is_guarded(fn):
         return
-    ledger.patch_item(mapping, key, lambda original: wrap_registry_entry(key, original))
+    kind = registry_kind(key, fn)
+    if kind is None:
+        return  # what it is says: untouched
+    ledger.patch_item(mapping, key, lambda original: wrap_registry_entry(key, original, kind))
+
+
+def reidentify(modeling_utils: ModuleType, key: str) -> None:
+    """The kernel behind registry key ``key`` is known now (a hub kernel loaded: the verdict
+    recorded says what it is): guard its entry by what it is, or give it back untouched."""
+    mapping = registry_mapping(modeling_utils)
+    fn = mapping.get(key) if mapping is not None else None
+    if fn is None:
+        return
+    original = getattr(fn, "__attnguard_original__", fn)
+    if registry_kind(key, original) is None:
+        if original is not fn:
+            mapping[key] = original  # untouched (the ledger skips an entry no longer ours)
+        return
+    if original is not fn:
+        mapping[key] = original
+    _guard_entry(mapping, key)
 
 
 def patch(modeling_utils: ModuleType) -> None:

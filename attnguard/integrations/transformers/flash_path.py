@@ -29,7 +29,9 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from ... import runtime
+from ... import kernel_identity, runtime
+from ...computing import NOW, subject
+from ...kernels import Kernel, Verdict, flash_kernel_unusable
 from ..ledger import Ledger
 from . import twin_calls
 from . import wiring as transformers_wiring
@@ -172,38 +174,57 @@ def _twins() -> dict[str, Callable[..., Any] | None]:
     return twins
 
 
-_announced: set[str] = set()
+def announced(implementation: str, reason_code: str, problem: str, change: str) -> None:
+    """A load-time ``backend_fallback`` (the plan's ``flash-on-sdpa`` row) said the twins compute
+    ``implementation``'s flash path: the table of what computes now records it."""
+    NOW.set(
+        subject("transformers", implementation),
+        Verdict(_identity(implementation), True, "flash-on-sdpa", reason_code, problem, change),
+    )
 
 
-def announced(reason_code: str) -> None:
-    """A load-time ``backend_fallback`` already said the twins compute the flash path's calls."""
-    _announced.add(reason_code)
+def _identity(implementation: str) -> kernel_identity.KernelId:
+    found = kernel_identity.of_request(implementation)
+    return found or kernel_identity.KernelId(implementation, kernel_identity.Source.PACKAGE, None)
 
 
 def _announce(implementation: str) -> None:
     """Say once that the flash path's kernels are the twins, unless a load already said so (a
     model loaded before attnguard was active, or switched to flash by hand, arrives here)."""
-    from ... import facts, kernels
+    from ... import facts
     from ...failopen import report_internal_error
     from ...observability import events
 
     try:
-        from ...facts import hub
-
-        if hub.repo_of(implementation):  # a hub kernel: its loader said so when it failed
+        if kernel_identity.hub_repo(implementation):  # its loader said so when it failed
+            return
+        row = subject("transformers", implementation)
+        if NOW.get(row) is not None:
             return
         status = facts.current(runtime.settings()).backend(implementation)
-        if status.reason_code in _announced:
-            return
-        _announced.add(status.reason_code)
+        problem = f"{implementation} calls: {status.reason}"
+        change = (
+            "attnguard's SDPA twins of the flash-attn functions compute transformers' flash "
+            "code path (same semantics)"
+        )
+        NOW.set(
+            row,
+            Verdict(
+                _identity(implementation),
+                True,
+                "flash-on-sdpa",
+                status.reason_code,
+                problem,
+                change,
+            ),
+        )
         events.emit(
             "backend_fallback",
             site=SITE,
             reason_code=status.reason_code,
-            reason=f"{implementation} calls: {status.reason}; attnguard's SDPA twins of the "
-            "flash-attn functions compute transformers' flash code path (same semantics)",
+            reason=f"{problem}; {change}",
             requested=implementation,
-            selected=kernels.Kernel.SDPA_TWIN.value,
+            selected=Kernel.SDPA_TWIN.value,
             attn_implementation=implementation,
             slower=False,
             applied=True,
@@ -216,14 +237,10 @@ def _kernel_unusable(implementation: Any) -> bool:
     """The flash-attn kernel behind ``implementation`` cannot run here (probed once). ``None``
     (4.54-4.57 pass no implementation: transformers takes whichever flash-attn is installed)
     means none of flash-attn 2 / 3 can."""
-    from ... import kernels
-
     if implementation is None:
         names: tuple[str, ...] = ("flash_attention_2", "flash_attention_3")
     elif isinstance(implementation, str):
-        from . import arguments
-
-        if implementation.split("|", 1)[-1] in arguments.TWIN_ARGUMENTS:
+        if implementation.split("|", 1)[-1] in NOW.twin_arguments:
             return True  # the twins serve it (a hub kernel that did not load: .hub)
         names = (implementation.split("|", 1)[-1],)
     else:
@@ -231,7 +248,7 @@ def _kernel_unusable(implementation: Any) -> bool:
     if not all(n in _FLASH_IMPLEMENTATIONS for n in names):
         return False
     settings = runtime.settings()
-    return all(kernels.flash_kernel_unusable(n, settings) is not None for n in names)
+    return all(flash_kernel_unusable(n, settings) is not None for n in names)
 
 
 def _first_defined(module: ModuleType, *names: str) -> Any:
@@ -322,17 +339,24 @@ def _refresh_serving() -> None:
 
     computed = _computed()
     arguments.TWIN_ASIDE.clear()  # judged against the arguments computed before
-    for implementation in list(arguments.TWIN_ARGUMENTS):
-        arguments.TWIN_ARGUMENTS[implementation] = computed
+    for implementation in list(NOW.twin_arguments):
+        NOW.twin_arguments[implementation] = computed
 
 
 def serving(implementation: str) -> None:
     """The twins serve ``implementation``'s flash path from now on (a flash_attention_N or a hub
     kernel that did not load): its registry calls are checked for arguments the twins would not
     compute (:mod:`.arguments`)."""
-    from . import arguments
+    NOW.twin_arguments[implementation] = _computed()
 
-    arguments.TWIN_ARGUMENTS[implementation] = _computed()
+
+def stop_serving(implementation: str) -> None:
+    """``implementation``'s kernel loaded after all (a hub kernel the library tried again): the
+    twins no longer serve it, and the flash path resolves its kernels again at its next call."""
+    NOW.twin_arguments.pop(implementation, None)
+    module, wired = _state.module, _state.wiring
+    if module is not None and wired is not None and wired.layout != GLOBALS:
+        _clear_lazy_cache(module, wired)
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -479,9 +503,9 @@ def unpatch() -> None:
 
     ledger.unpatch_all()
     arguments.unpatch()
-    _announced.clear()
+    NOW.clear("transformers")
     twin_calls.reset()
-    arguments.TWIN_ARGUMENTS.clear()
+    NOW.twin_arguments.clear()
     arguments.TWIN_ASIDE.clear()
     with _state.lock:
         module, wired = _state.module, _state.wiring

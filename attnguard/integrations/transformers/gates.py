@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import facts as facts_mod
-from ... import runtime
+from ... import kernel_identity, runtime
 from ...errors import AttnGuardError
 from ...failopen import report_internal_error
+from ...kernel_identity import Source
 from ...plan import LoadRequest, is_flash, plan_backend
 from . import hub
 from .apply import active_settings, on_twins, report
@@ -64,7 +65,9 @@ def _twins_attn(requested: Any) -> Any:
     """flash_attention_3/4 on the twins run flash_attention_2's path (the same functions)."""
     if isinstance(requested, Mapping):
         return {k: _twins_attn(v) for k, v in requested.items()}
-    return "flash_attention_2" if is_flash(requested) and "paged" not in requested else requested
+    kernel = kernel_identity.of_request(requested)
+    package_flash = kernel is not None and kernel.flash and kernel.source is Source.PACKAGE
+    return "flash_attention_2" if package_flash else requested
 
 
 def guarded_check_and_adjust(

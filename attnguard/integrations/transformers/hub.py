@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from ... import callguard, kernels, runtime
+from ... import callguard, kernel_identity, kernels, runtime
+from ...computing import NOW, subject
 from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
@@ -51,8 +52,7 @@ LOADERS = ("load_and_register_attn_kernel", "load_and_register_kernel")
 _BINDERS = ("transformers.modeling_utils", "transformers.modeling_flash_attention_utils")
 
 ledger = Ledger("transformers_hub")
-_lock = threading.Lock()
-_on_twins: dict[str, str] = {}  # hub kernel name (as requested) -> the reason code it failed with
+_lock = threading.Lock()  # one decision at a time about a hub kernel that did not load
 
 
 @dataclass
@@ -150,13 +150,13 @@ def route(cls: type, requested: Any) -> str:
 
     if not isinstance(requested, str):
         return ""
-    if hub_facts.repo_of(requested):
+    if kernel_identity.hub_repo(requested):
         return requested
-    if "flash" not in requested:
+    if not kernel_identity.is_flash_request(requested):
         return ""
     routed = routing.routed_to(cls, requested)
     if routed is not None:
-        return routed if hub_facts.repo_of(routed) else ""
+        return routed if kernel_identity.hub_repo(routed) else ""
     return fallback_route(requested) if getattr(cls, "_supports_flash_attn", True) else ""
 
 
@@ -168,12 +168,6 @@ def fallback_route(requested: str) -> str:
     if repo and not _flash_available(requested) and _transformers_loads_hub():
         return repo
     return ""
-
-
-def kernels_on_twins() -> dict[str, str]:
-    """Hub kernels whose calls the twins compute in this process -> why they did not load."""
-    with _lock:
-        return dict(_on_twins)
 
 
 def report() -> dict[str, Any]:
@@ -216,7 +210,7 @@ def report() -> dict[str, Any]:
                 "repo": k.repo,
                 "variants": list(k.variants),
                 "source": k.source,
-                "twins_compute": kernels.hub_twin_of(k.repo),
+                "twins_compute": _twins_compute(k.repo),
             }
             for k in hub_facts.cached()
         ],
@@ -255,9 +249,15 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"  this process: {k['repo']} {state}")
     lines.append(
         "  known hub kernels whose functions are flash-attn's: "
-        + ", ".join(f"{r} ({f})" for r, f in kernels.HUB_FLASH_KERNELS.items())
+        + ", ".join(k.describe() for k in kernel_identity.HUB_REPOS.values())
     )
     return lines
+
+
+def _twins_compute(repo: str) -> str | None:
+    """The family attnguard's twins compute for hub kernel ``repo`` where it cannot load."""
+    kernel = kernel_identity.of_request(repo)
+    return kernel.family.value if kernel is not None and kernel.computable else None
 
 
 # --- the loader ---------------------------------------------------------------------------------
@@ -266,12 +266,12 @@ def report_lines(data: dict[str, Any]) -> list[str]:
 def _loader(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
-        repo = hub_facts.repo_of(attn_implementation)
+        repo = kernel_identity.hub_repo(attn_implementation)
         if repo is None or runtime.IN_FORCE.settings is None:
             return original(attn_implementation, *args, **kwargs)
-        name = str(attn_implementation).split("|", 1)[-1]
-        if name in _on_twins:  # failed before: not tried again, the twins serve it
-            return _twins_module(attn_implementation, args, kwargs)
+        name = kernel_identity.bare(str(attn_implementation))
+        # the library's own attempt, every time it makes one (a kernel that did not load before
+        # may load now: transformers 5.23 and later try again at the next load)
         try:
             kernel = original(attn_implementation, *args, **kwargs)
         except Exception as exc:
@@ -286,13 +286,31 @@ def _loader(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             return served
         try:
-            hub_facts.record(repo, None, package())
+            _loaded(attn_implementation, name, repo, kernel)
         except Exception as ours:
             report_internal_error(SITE, ours)
         return kernel
 
     load.__attnguard_original__ = original  # type: ignore[attr-defined]
     return load
+
+
+def _loaded(key: Any, name: str, repo: str, kernel: Any) -> None:
+    """The hub kernel loaded: it computes every call, untouched. Recorded as what it is (the
+    functions it exports), its registry entry guarded by that, and the twins that served it
+    before (a load that failed earlier in this process) no longer do."""
+    from . import attention, flash_path
+
+    hub_facts.record(repo, None, package())
+    identity = kernel_identity.of_hub_module(name, kernel)
+    row = subject("transformers", name)
+    was_on_twins = NOW.on_twins(row)
+    callguard.apply_verdict(runtime.IN_FORCE.settings, kernels.verdict(identity, None), SITE, row)
+    if was_on_twins:
+        flash_path.stop_serving(name)
+    utils = sys.modules.get("transformers.modeling_utils")
+    if utils is not None:
+        attention.reidentify(utils, str(key))
 
 
 def _failed(
@@ -306,45 +324,48 @@ def _failed(
     current = _GATE.get()
     cls, requested = (current.cls, current.requested) if current is not None else (None, None)
     chosen_for = requested if isinstance(requested, str) and requested != name else ""
-    uncomputed: tuple[str, ...] = ()
-    path_problem = flash_path.unrecognised()
-    if cls is not None and not path_problem:
-        from . import arguments, routing
-
-        uncomputed = tuple(routing.uncomputed_keywords(cls, arguments.computed_arguments()))
-    verdict = kernels.when_hub_kernel_fails(
-        name, outcome, path_problem=path_problem, uncomputed=uncomputed, chosen_for=chosen_for
-    )
-    site = f"{SITE}:{name}"
-    fields: dict[str, Any] = {
-        "requested": chosen_for or name,
-        "hub_kernel": name,
-        "rule": verdict.rule,
-    }
-    if cls is not None:
-        fields["model"] = cls.__name__
-    if chosen_for:
-        fields["transformers_chooses"] = name
-    if not verdict.twins and cls is None:  # a call-time lookup: what the load said stands
-        return None
-    try:
-        applied = callguard.settle(
-            runtime.IN_FORCE.settings,
-            verdict.twins,
-            site,
-            verdict.reason_code,
-            verdict.reason,
-            **fields,
-        )
-    except AttnGuardError as strict:
-        if current is not None:
-            current.strict = strict
-        raise
-    if not applied:
-        return None
+    row = subject("transformers", name)
     with _lock:
-        _on_twins[name] = verdict.reason_code
-    return _twins_module(key, args, kw)
+        if NOW.on_twins(row):  # decided before (and said): the twins serve it again
+            return _twins_module(key, args, kw)
+        uncomputed: tuple[str, ...] = ()
+        path_problem = flash_path.unrecognised()
+        if cls is not None and not path_problem:
+            from . import arguments, routing
+
+            computed = arguments.computed_arguments()
+            uncomputed = tuple(routing.uncomputed_keywords(cls, computed))
+        identity = kernel_identity.of_request(name)
+        assert identity is not None  # a hub name: hub_repo(name) is not None
+        decided = kernels.verdict(
+            identity,
+            (outcome.reason_code, outcome.reason),
+            path_problem=path_problem,
+            uncomputed=uncomputed,
+            chosen_for=chosen_for,
+        )
+        fields: dict[str, Any] = {
+            "requested": chosen_for or name,
+            "hub_kernel": name,
+            "rule": decided.rule,
+        }
+        if cls is not None:
+            fields["model"] = cls.__name__
+        if chosen_for:
+            fields["transformers_chooses"] = name
+        if not decided.twins and cls is None:  # a call-time lookup: what the load said stands
+            return None
+        try:
+            applied = callguard.apply_verdict(
+                runtime.IN_FORCE.settings, decided, f"{SITE}:{name}", row, **fields
+            )
+        except AttnGuardError as strict:
+            if current is not None:
+                current.strict = strict
+            raise
+        if not applied:
+            return None
+        return _twins_module(key, args, kw)
 
 
 def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -399,6 +420,5 @@ def patch() -> None:
 
 def unpatch() -> None:
     ledger.unpatch_all()
-    with _lock:
-        _on_twins.clear()
+    NOW.clear("transformers")
     hub_facts.reset()

@@ -34,7 +34,7 @@ def routed_to(cls: type, requested: Any) -> str | None:
     compatible = getattr(cls, "_compatible_flash_implementations", None)
     if not compatible or not isinstance(requested, str) or requested in compatible:
         return None
-    if "flash" not in requested:
+    if not _transformers_says_flash(requested):
         return None
     utils = sys.modules.get("transformers.modeling_utils")
     devices = getattr(utils, "FLASH_ATTN_KERNEL_DEVICES", None)
@@ -52,6 +52,20 @@ def routed_to(cls: type, requested: Any) -> str | None:
         except Exception:
             pass
     return str(chosen[0])
+
+
+def _transformers_says_flash(requested: str) -> bool:
+    """transformers' own answer to "is this a flash request?" (the question its gate asks before
+    routing: ``is_flash_attention_requested``); False where this release has no such question
+    (it routes nothing either)."""
+    generic = sys.modules.get("transformers.utils.generic")
+    ask = getattr(generic, "is_flash_attention_requested", None)
+    if not callable(ask):
+        return False
+    try:
+        return bool(ask(requested_attention_implementation=requested))
+    except Exception:
+        return False
 
 
 def attention_keywords(cls: type) -> frozenset[str]:
