@@ -12,9 +12,9 @@ from typing import Any
 
 from . import facts as facts_mod
 from . import runtime
+from .computing import NOW
 from .config import Settings, load
 from .integrations.transformers import flash_path as transformers_kernels
-from .computing import NOW
 from .kernels import QUESTIONS, RULES
 from .observability.eventfiles import printable
 from .plan import TABLE, Plan, flash_fp32_request, plan_load

@@ -143,6 +143,36 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_attn_probs else out
 """
 
+# A hub kernel that ships its own attention function (transformers registers ``flash_attn_forward``
+# under the request's name, with sdpa's 4-D masks): here local attention, each query seeing the
+# ``OWN_WINDOW`` keys up to itself, whatever mask it is also given. Its semantics are its own.
+_OWN_SOURCE = """
+
+OWN_WINDOW = 3
+supports_flash_attn = True
+
+
+def flash_attn_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       **kwargs):
+    _count("flash_attn_forward")
+    b, h, sq, d = query.shape
+    hk, sk = key.shape[1], key.shape[2]
+    if hk != h:
+        key = key.repeat_interleave(h // hk, dim=1)
+        value = value.repeat_interleave(h // hk, dim=1)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(d)
+    s = torch.einsum("bhqd,bhkd->bhqk", query.float(), key.float()) * scale
+    i = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=query.device)[None, :]
+    keep = (j <= i) & (j > i - OWN_WINDOW)
+    if attention_mask is not None:
+        keep = keep & (attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0)
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    out = torch.einsum("bhqk,bhkd->bhqd", p, value.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+"""
+
 # what diffusers' context-parallel code reaches through ``flash_attn_interface`` (not computed)
 _INTERFACE_SOURCE = """from . import _count
 
@@ -200,8 +230,10 @@ def write_repo(
     ``sinks``: the functions take ``s_aux`` (as vllm-flash-attn3); ``broken``: the package raises
     at import (a build whose import fails); ``interface``: ``"fa2"`` (flash-attn 2's functions) or
     ``"fa3"`` (flash-attn 3's: the keyword arguments of kernels-community/flash-attn3, which
-    diffusers' ``_flash_3_hub`` backends pass). Either has a ``flash_attn_interface`` module with
-    the functions diffusers' context-parallel code resolves (they raise NotImplementedError)."""
+    diffusers' ``_flash_3_hub`` backends pass) or ``"own"`` (no flash-attn function: an attention
+    function of its own, ``flash_attn_forward`` with ``supports_flash_attn``, computing local
+    attention). Each has a ``flash_attn_interface`` module with the functions diffusers'
+    context-parallel code resolves (they raise NotImplementedError)."""
     package = name.replace("-", "_")
     backend = backend or system_backend()
     variant = path / "build" / f"torch-{backend}"
@@ -215,14 +247,14 @@ def write_repo(
         "backend": {"type": backend},
     }
     (variant / "metadata.json").write_text(json.dumps(metadata))
-    functions = _FA3_SOURCE if interface == "fa3" else _FA2_SOURCE
+    functions = {"fa3": _FA3_SOURCE, "own": _OWN_SOURCE}.get(interface, _FA2_SOURCE)
     source = _KERNEL_SOURCE + functions + "\n\nfrom . import flash_attn_interface  # noqa: E402\n"
     source = source.replace("__SINK_PARAM__", ", s_aux=None" if sinks else "")
     source = source.replace("__SINK_ARG__", "s_aux" if sinks else "None")
     if broken:
         source = 'raise ImportError("hub kernel stand-in: this build does not import")\n' + source
     (variant / package / "__init__.py").write_text(source)
-    names = repr(_INTERFACE_NAMES[interface])
+    names = repr(_INTERFACE_NAMES.get(interface, ()))
     (variant / package / "flash_attn_interface.py").write_text(
         _INTERFACE_SOURCE.replace("__NAMES__", names)
     )
