@@ -457,3 +457,7 @@ def test_a_hub_kernel_that_loads_keeps_serving(machines: Any) -> None:
         assert g["events"] == [], backend
         want, got = (torch.load(out / f"{m}-{backend}.pt") for m in ("plain", "guarded"))
         assert torch.equal(got, want), backend
+        # a custom processor's mixed q/k/v dtypes: unified before the hub kernel, as the package
+        # backends' calls are (its family takes one dtype)
+        mixed = g["mixed"]
+        assert "error" not in mixed and ["qkv_unified", "mixed_dtypes"] in mixed["events"], mixed

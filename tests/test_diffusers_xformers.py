@@ -250,3 +250,61 @@ def test_deactivate_restores_the_classic_method() -> None:
     attnguard.deactivate()
     assert attention_processor.Attention.set_use_memory_efficient_attention_xformers is classic
     assert attention.AttentionModuleMixin.set_use_memory_efficient_attention_xformers is mixin
+
+
+# --- set_attn_processor(XFormersAttnProcessor()) without xformers ---------------------------------
+
+_PROCESSOR_SET_BY_HAND = r"""
+import json, logging, sys
+sys.modules["xformers"] = None  # not installed
+logging.disable(logging.WARNING)
+guard = sys.argv[1] == "guard"
+if guard:
+    import attnguard
+    from attnguard.observability import events
+sys.path.insert(0, sys.argv[2])
+import contextlib
+import diffusers_worker as dw
+from diffusers.models.attention_processor import XFormersAttnProcessor
+
+model, inputs = dw.tiny_unet(), dw.unet_inputs()
+out = {"error": None}
+with (events.capture() if guard else contextlib.nullcontext([])) as got:
+    native = dw.run(model, inputs)
+    model.set_attn_processor(XFormersAttnProcessor())
+    try:
+        out["max_diff"] = (dw.run(model, inputs) - native).abs().max().item()
+        dw.run(model, inputs)  # a second forward: nothing more is said
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+out["events"] = [(e["event"], e["reason_code"], e.get("applied")) for e in got
+                 if e["event"] not in ("activated", "summary")]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fix", "warn"])
+def test_an_xformers_processor_set_by_hand_without_xformers(mode: str) -> None:
+    """A script that installs ``XFormersAttnProcessor`` itself on a machine without xformers:
+    unguarded its first attention call fails on the missing package ("'NoneType' object has no
+    attribute 'ops'"); guarded the processor runs on attnguard's twin of
+    ``memory_efficient_attention`` (native's numbers), one event says so. Warn mode: diffusers'
+    error stands, the event says what fix mode would do."""
+
+    def program(guard: bool) -> dict[str, Any]:
+        env = subprocess_env(ATTNGUARD_LOG="none", ATTNGUARD_MODE=mode)
+        args = [PY, "-c", _PROCESSOR_SET_BY_HAND, "guard" if guard else "none", str(WORKERS)]
+        res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0 and res.stdout.strip(), res.stderr[-3000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    unguarded = program(guard=False)
+    assert unguarded["error"] == "AttributeError: 'NoneType' object has no attribute 'ops'"
+    guarded = program(guard=True)
+    if mode == "warn":
+        assert guarded["error"] == unguarded["error"]
+        assert guarded["events"] == [["backend_fallback", "xformers_missing", False]]
+        return
+    assert guarded["error"] is None, guarded
+    assert guarded["max_diff"] <= 2e-6
+    assert guarded["events"] == [["backend_fallback", "xformers_missing", True]]

@@ -11,8 +11,9 @@ runs on diffusers' ``native`` backend, then on each backend in turn (``set_atten
 per backend the error (type and first line) or the largest difference from ``native``, the calls
 made into the stand-in hub kernels, and (guarded) the events attnguard emitted; each output is
 saved to ``OUT/<mode>-<backend>.pt`` (float32, CPU; ``native``'s too) for comparisons across
-programs. One JSON
-object on the last line of stdout.
+programs. Then, as a custom processor would, one ``dispatch_attention_fn`` call with q/k in
+float32 and v in bfloat16 on that backend (``mixed``: its error, or the output's dtype, and the
+events). One JSON object on the last line of stdout.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ FIELDS = ("event", "site", "reason_code", "rule", "requested", "hub_kernel", "ap
 def _calls() -> list[str]:
     path = Path(os.environ.get("HUB_STANDIN_CALLS", "/nonexistent"))
     return path.read_text().split() if path.exists() else []
+
+
+def _mixed(torch: Any, backend: str, device: str, captured: list[dict[str, Any]]) -> dict[str, Any]:
+    """One call with q/k float32 and v bfloat16 straight into the dispatcher, on ``backend``."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=g).to(device) for _ in range(3))
+    seen, record = len(captured), {}
+    try:
+        out = dispatch_attention_fn(q, k, v.bfloat16(), backend=AttentionBackendName(backend))
+        record["dtype"] = str(out.dtype)
+    except Exception as exc:
+        record["error"] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    record["events"] = [(e["event"], e.get("reason_code")) for e in captured[seen:]]
+    return record
 
 
 def main() -> None:
@@ -82,6 +99,7 @@ def main() -> None:
         record["events"] = [
             {k: e.get(k) for k in FIELDS} for e in captured[seen:] if e["event"] != "activated"
         ]
+        record["mixed"] = _mixed(torch, backend, args.device, captured)
         result["backends"][backend] = record
     print(json.dumps(result))
 

@@ -17,8 +17,10 @@ Nothing wrong -> diffusers' own function runs untouched. Something wrong -> the 
   nothing is announced: no kernel would compute it. Calls of ``_native_cudnn`` /
   ``_native_flash`` that ask for the LSE or run context-parallel take diffusers' other code path,
   which no twin computes: they run as diffusers makes them, errors included;
-* flash / xformers backends: dtypes and devices only; their kernels are guarded where they are
-  called (the flash_attn and xformers integrations, or the twins of :mod:`.backends`).
+* flash / xformers backends, and the ``*_hub`` backends whose hub kernel is one of flash-attn's
+  families: dtypes and devices only; the package kernels are guarded where they are called (the
+  flash_attn and xformers integrations, or the twins of :mod:`.backends`), a hub kernel that
+  loaded computes its calls untouched.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ... import callguard, runtime
+from ... import callguard, kernel_identity, runtime
 from ...kernels import EntryKind
 from ...observability import events
 from . import shape
@@ -43,10 +45,18 @@ _TWO_PATHS = ("_native_cudnn", "_native_flash")
 
 
 def patch(module: ModuleType) -> None:
-    """Guard the registry entries of :data:`.shape.GUARDED` that this diffusers registers."""
+    """Guard the registry entries of :data:`.shape.GUARDED` that this diffusers registers, and
+    the ``*_hub`` backends whose hub kernel is one of flash-attn's families (loaded or on the
+    twins: dtypes and devices, as the package backends; a hub kernel attnguard does not know,
+    SageAttention or aiter, keeps its own calls)."""
     held = shape.registry(module)._backends
+    hub = {
+        name
+        for name, config in shape.hub_configs(module).items()
+        if (kernel := kernel_identity.of_request(config.repo_id)) is not None and kernel.flash
+    }
     for name, key in shape.backends(module).items():
-        if name in shape.GUARDED and shape.takes_qkv(held[key]):
+        if (name in shape.GUARDED or name in hub) and shape.takes_qkv(held[key]):
             ledger.patch_item(held, key, lambda original, _n=name: wrap(_n, original, module))
 
 

@@ -51,14 +51,88 @@ METHOD = "set_use_memory_efficient_attention_xformers"
 ledger = Ledger("diffusers")  # the classic Attention's method, the processors' global
 mixin_ledger = Ledger("diffusers")  # AttentionModuleMixin's method
 _lock = threading.Lock()
-_state = {"served": False, "announced": False}
+_state = {"served": False, "announced": False, "processors": False}
 _observed: set[str] = set()  # why diffusers' error stood (one event each)
 
 
 def patch(module: ModuleType) -> None:
     """Guard ``Attention.set_use_memory_efficient_attention_xformers`` of
-    ``diffusers.models.attention_processor`` (the classic processors)."""
+    ``diffusers.models.attention_processor`` (the classic processors), and the xformers processors
+    a script installs itself (``set_attn_processor(XFormersAttnProcessor())``)."""
     _patch_class(ledger, getattr(module, "Attention", None), "xformers", classic=True)
+    _patch_processors(module)
+
+
+def _patch_processors(module: ModuleType) -> None:
+    """Each processor class of the module whose ``__call__`` reaches the kernel through the
+    module's ``xformers`` global (recognised by its code, not its name): where xformers is not
+    installed, its first call puts the module's global on attnguard's stand-in (one
+    ``backend_fallback``, ``xformers_missing``), as ``enable_xformers_memory_efficient_attention()``
+    would on a machine with CUDA; the twin computes what xformers would, on any device (an
+    installed xformers without CUDA ops has its CPU calls computed by the same twin). Warn mode,
+    or the remedy switched off: diffusers' own error stands, said once."""
+    for cls in list(vars(module).values()):
+        call = vars(cls).get("__call__") if isinstance(cls, type) else None
+        if getattr(cls, "__module__", None) == module.__name__ and shape.reads_names(
+            call, ("xformers", "memory_efficient_attention")
+        ):
+            ledger.patch(cls, "__call__", lambda original: _processor_call(module, original))
+
+
+def _processor_call(module: ModuleType, original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(module, "xformers", 0) is None and runtime.IN_FORCE.settings.enabled:
+            try:
+                _serve_processors(module)
+            except AttnGuardError:
+                raise
+            except Exception as exc:
+                report_internal_error(SITE, exc)
+        return original(self, *args, **kwargs)
+
+    wrapper = functools.wraps(original)(__call__)
+    wrapper.__attnguard_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _serve_processors(module: ModuleType) -> None:
+    """The module's processors call the stand-in from now on (fix mode), else say why not once."""
+    with _lock:
+        if getattr(module, "xformers", 0) is not None or _state["processors"]:
+            return
+        _state["processors"] = True
+        settings = runtime.IN_FORCE.settings
+        if not (settings.changes_things and settings.allows("fallback")):
+            _decide_processors()  # warn: what fix mode would do; strict raises; disabled: said
+            return
+        ledger.patch(module, "xformers", lambda _o: _standin())
+        _decide_processors()
+
+
+def _decide_processors() -> bool:
+    settings = runtime.IN_FORCE.settings
+    if not settings.allows("fallback"):
+        events.emit(
+            "observed",
+            site=SITE,
+            reason_code="xformers_missing",
+            reason="an xformers attention processor was called where xformers is not installed; "
+            "left as is (ATTNGUARD_DISABLE names fallback): diffusers' error stands",
+            requested="xformers",
+        )
+        return False
+    return callguard.decide(
+        settings,
+        "fallback",
+        "backend_fallback",
+        SITE,
+        "xformers_missing",
+        "an xformers attention processor was called where xformers is not installed; diffusers' "
+        "xformers attention processors run with attnguard's twin of "
+        "xformers.ops.memory_efficient_attention (torch SDPA) in place of the kernel",
+        requested="xformers",
+        selected=Kernel.SDPA_TWIN.value,
+    )
 
 
 def patch_mixin(module: ModuleType) -> None:
@@ -260,7 +334,7 @@ def _bind_classic(viewed: Callable[..., Any], name: str) -> None:
 def unpatch() -> None:
     ledger.unpatch_all()
     with _lock:
-        _state["served"] = _state["announced"] = False
+        _state["served"] = _state["announced"] = _state["processors"] = False
         _observed.clear()
 
 
