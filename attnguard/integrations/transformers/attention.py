@@ -149,6 +149,9 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
         dt = query.dtype
         dev = query.get_device()
         mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
+        if flash and watch[0] and twin_arguments and not compiling():
+            if twin_arguments.get(name) is not None:  # on the twins: what reaches them (the
+                note_call(mask, kwargs)  # exit summary's advice), also calls remedied below
         if key.dtype is not dt or value.dtype is not dt:
             return True
         if key.get_device() != dev or value.get_device() != dev:
@@ -157,8 +160,6 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
             return True
         if flash:
             known = twin_arguments.get(name) if twin_arguments else None
-            if known is not None and watch[0] and not compiling():
-                note_call(mask, kwargs)  # what reaches the twins (the exit summary's advice)
             if known is not None and not known.issuperset(kwargs):
                 aside = aside_for.get(type(args[0]))
                 if aside is None:  # not judged yet: the slow path judges (never in a trace)

@@ -333,6 +333,14 @@ def serving(implementation: str) -> None:
     from . import arguments
 
     arguments.TWIN_ARGUMENTS[implementation] = _computed()
+    watch_masks()
+
+
+def watch_masks() -> None:
+    """Watch whether transformers' own mask code holds packed rows apart (the exit summary's
+    advice: :mod:`.twin_calls`), from the first flash request on (its model's module imported the
+    mask code; its first forward builds a mask before any flash call)."""
+    twin_calls.watch_masks(sys.modules.get(twin_calls.MASKS), ledger)
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
