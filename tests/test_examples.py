@@ -501,3 +501,15 @@ def test_an_example_that_cannot_show_what_it_is_for_exits_3(
     assert f"could not show what it is for here: {said}" in run.stdout
     assert run.events == []
     assert CANNOT_SHOW == 3 and "exits with status 3" in DOCS_EXAMPLES
+
+
+def test_the_family_c_example_gets_accelerate_from_an_extra() -> None:
+    """Family C needs accelerate (``device_map``): the ``examples`` extra installs it, and
+    README's Install says so."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert any(r.startswith("accelerate") for r in extras["examples"])
+    said = "`examples` (accelerate, which `examples/family_c_torchrun_device_map.py` needs"
+    assert said in " ".join(README.split())

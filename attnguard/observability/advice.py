@@ -7,11 +7,21 @@ fixed sentence, where nothing about the machine or the workload changes it, or a
 * **the device**: where no CUDA GPU was seen, "install flash-attn for this GPU" cannot be
   followed, and is not said; the same for a GPU below what the kernel needs;
 * **the workload**: where packed rows (padding-free batches: ``position_ids`` restarting,
-  ``cu_seq_lens``) or sliding windows reached attnguard's twins of transformers' flash path,
-  ``attn_implementation="sdpa"`` is never advised: transformers' sdpa path mixes packed sequences
-  (with its default ``use_cache``) and does not compute flash's window on every release, so the
-  hint would change the numbers. Where no call was seen, sdpa is advised only with that
-  condition spelled out.
+  ``cu_seq_lens``) reached attnguard's twins of transformers' flash path in a forward where
+  transformers' own sdpa path would mix them (a cache in use, or a release whose mask code does
+  not hold them apart), or sliding windows did, ``attn_implementation="sdpa"`` is never advised:
+  it would change the numbers. Packed rows without a cache, which transformers' own masks held
+  apart, leave sdpa advised, saying so. Where no call was seen, sdpa is advised only with its
+  condition spelled out;
+* **the model classes**: sdpa is never advised where a model class of a flash request refuses it
+  (``_supports_sdpa`` False: transformers raises at load); eager is offered, without a claim on
+  its numbers, or the flash request kept under attnguard;
+* **the library of the request** (from its events' sites, :meth:`Facts.for_sites`): diffusers'
+  requests get diffusers' words (``set_attention_backend("native")``), never transformers'
+  ``attn_implementation``;
+* **the ``kernels`` package**: where a library refused the installed release, the versions it
+  accepts are named, with what works where the package index has none (the index is never
+  asked at run time).
 
 A new reason code's advice is one entry: ``Reason(code, ..., hint=<a sentence, or a function of
 Facts>)``; a new fact is recorded in :mod:`.workload` and read here as an attribute of
@@ -88,11 +98,6 @@ class Facts:
     @property
     def diffusers(self) -> bool:
         return "diffusers" in self.libraries
-
-    @property
-    def direct_calls_only(self) -> bool:
-        """Only calls of flash-attn's / xformers' functions from the program's own code."""
-        return bool(self.libraries) and self.libraries <= {"flash_attn", "xformers"}
 
     @property
     def gpu_below_flash(self) -> bool:
@@ -330,12 +335,13 @@ _DIRECT = (
 
 def kernel_cannot(why: str) -> Callable[[Facts], str]:
     """The kernel cannot take these calls (``why``), whatever is installed: sdpa only where it
-    computes what attnguard's twins computed and the model classes support it; a program's own
-    calls of flash-attn / xformers functions are told what computes them."""
+    computes what attnguard's twins computed and the model classes support it; diffusers' calls
+    get diffusers' words; a program's own calls of flash-attn / xformers functions are told what
+    computes them."""
 
     def advise(f: Facts) -> str:
-        if f.direct_calls_only:
-            return f"{why}: {_DIRECT}"
+        if not f.transformers:  # diffusers' calls, or the program's own kernel calls
+            return f"{why}: {_DIFFUSERS_NATIVE if f.diffusers else _DIRECT}"
         why_not = _why_not_sdpa(f)
         if why_not:
             return f"{why}; keep the request under attnguard: {why_not}"

@@ -149,9 +149,10 @@ def wrap_registry_entry(name: str, original: Callable[..., Any]) -> Callable[...
         dt = query.dtype
         dev = query.get_device()
         mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
-        if flash and watch[0] and twin_arguments and not compiling():
-            if twin_arguments.get(name) is not None:  # on the twins: what reaches them (the
-                note_call(mask, kwargs)  # exit summary's advice), also calls remedied below
+        # on the twins: what reaches them (the exit summary's advice), calls remedied below too
+        on_twins = flash and watch[0] and twin_arguments and twin_arguments.get(name) is not None
+        if on_twins and not compiling():
+            note_call(mask, kwargs)
         if key.dtype is not dt or value.dtype is not dt:
             return True
         if key.get_device() != dev or value.get_device() != dev:
