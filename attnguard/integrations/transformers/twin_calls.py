@@ -169,15 +169,26 @@ def _supports(cls: type, *attrs: str) -> bool:
 def note_model(cls: type) -> None:
     """A flash request for ``cls`` (each sub-model's class passes its own gate): what it supports,
     as transformers reads it at load (``_supports_sdpa``, ``_supports_flash_attn``,
-    ``_supports_flex_attn``), so the advice never names a backend the class refuses."""
+    ``_supports_flex_attn``), so the advice never names a backend the class refuses. A sub-model
+    is recorded where it supports something else than the model it is built in (a vision tower
+    that refuses sdpa inside a model that supports it)."""
     from .scope import models_being_built
 
+    support = _support(cls)
+    outer = [type(m) for m in models_being_built() if type(m) is not cls]
+    if outer and all(_support(o) == support for o in outer):
+        return  # a part that supports what its model does (LlamaModel in LlamaForCausalLM)
+    sdpa, flash, flex = support
     workload.note_model(
-        getattr(cls, "__name__", "?"),
-        sdpa=_supports(cls, "_supports_sdpa"),
-        flash=_supports(cls, "_supports_flash_attn", "_supports_flash_attn_2"),
-        flex=_supports(cls, "_supports_flex_attn"),
-        part=any(type(outer) is not cls for outer in models_being_built()),
+        getattr(cls, "__name__", "?"), sdpa=sdpa, flash=flash, flex=flex, part=bool(outer)
+    )
+
+
+def _support(cls: type) -> tuple[bool, bool, bool]:
+    return (
+        _supports(cls, "_supports_sdpa"),
+        _supports(cls, "_supports_flash_attn", "_supports_flash_attn_2"),
+        _supports(cls, "_supports_flex_attn"),
     )
 
 
