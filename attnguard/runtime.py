@@ -201,8 +201,22 @@ def _ready_exit_summary() -> None:
     from .observability import summary  # noqa: F401
 
 
+def _device_now() -> dict[str, Any]:
+    """This process's device for the exit summary's advice, at its first event: what decisions
+    read, else whether CUDA is there at all (torch already imported: nothing is imported, and no
+    GPU is initialised to ask)."""
+    found = _device_read_so_far()
+    if found:
+        return found
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
 def _first_event() -> bool:
     _ready_exit_summary()  # this process now has something to summarise
+    workload.note_device(_device_now)  # once: the advice speaks of this machine
     if events.launch_context()["world_size"] <= 1:
         return False  # no job (yet: a Ray actor sets its rank later)
     from .observability.summary import announce_first_event

@@ -10,11 +10,16 @@ import json
 import logging
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import attnguard
 from attnguard import kernels
 from attnguard.plan import Plan
+
+# The exit status of an example that could not show what it is for on this machine (a package or
+# a piece of hardware it needs is missing): a script or CI running it reads "not shown", never
+# success (docs/examples.md)
+CANNOT_SHOW = 3
 
 # A tiny text model: the shape of Qwen2 / Llama, 2 layers of width 64 (loads in well under 1 s).
 TINY_TEXT = dict(
@@ -179,3 +184,11 @@ def finish(captured: list[dict[str, Any]], planned: list[str] | None = None) -> 
     if planned is not None:
         print("PLANNED: " + json.dumps(planned))
     sys.stdout.flush()
+
+
+def cannot_show(missing: str) -> NoReturn:
+    """End the example without showing what it is for, saying what is missing here, with exit
+    status :data:`CANNOT_SHOW` (after its EVENTS line: nothing was caused)."""
+    print(f"could not show what it is for here: {missing}")
+    finish([])
+    sys.exit(CANNOT_SHOW)

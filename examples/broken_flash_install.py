@@ -18,7 +18,7 @@ Run (needs a broken install on PYTHONPATH; GPU not needed). Build one without CU
         pip install --no-build-isolation --no-deps --target /tmp/broken-flash flash-attn==2.8.3
     PYTHONPATH=/tmp/broken-flash python examples/broken_flash_install.py
 
-Without a broken install the example says how to make one and exits.
+Without a broken install the example says how to make one and exits with status 3.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import TINY_TEXT, computed_by, finish, load_dtype, without_attnguard  # noqa: E402
+from _shared import (  # noqa: E402
+    TINY_TEXT,
+    cannot_show,
+    computed_by,
+    finish,
+    load_dtype,
+    without_attnguard,
+)
 from attnguard.observability import events
 from attnguard import facts  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
@@ -48,8 +55,9 @@ def main() -> None:
             "--no-build-isolation --no-deps --target /tmp/broken-flash flash-attn==2.8.3\n"
             "and run this example with PYTHONPATH=/tmp/broken-flash."
         )
-        finish([])
-        return
+        cannot_show(
+            "no broken flash-attn install on the path (flash-attn here: " + status.reason + ")"
+        )
     with tempfile.TemporaryDirectory() as ckpt:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(**TINY_TEXT)).save_pretrained(ckpt)

@@ -15,8 +15,8 @@ windows, LSE) and attnguard's twin of ``flash_attn_func`` computes it on torch's
 (``qkv_unified``, reason ``mixed_dtypes``). The outputs are compared with the same model on
 diffusers' ``native`` backend.
 
-Run: ``python examples/diffusers_flash_backend.py`` (needs ``pip install diffusers``). GPU: not
-needed.
+Run: ``python examples/diffusers_flash_backend.py`` (needs ``pip install diffusers``; without it
+the example says so and exits with status 3). GPU: not needed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402, F401  (importing activates the guard, before diffusers)
 import torch  # noqa: E402
-from _shared import finish, without_attnguard  # noqa: E402
+from _shared import cannot_show, finish, without_attnguard  # noqa: E402
 from attnguard.observability import events  # noqa: E402
 
 try:
@@ -72,9 +72,7 @@ def mixed_dtype_processor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 def main() -> None:
     if FluxTransformer2DModel is None:
-        print("diffusers is not installed: `pip install diffusers` to run this example.")
-        finish([])
-        return
+        cannot_show("diffusers is not installed (`pip install diffusers`, or the diffusers extra)")
     logging.getLogger("diffusers").setLevel(logging.ERROR)  # "experimental feature" notices
     model, inputs = tiny_flux()
     with torch.no_grad():

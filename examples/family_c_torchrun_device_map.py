@@ -16,7 +16,8 @@ rank prints its own devices and events). GPU: 2 needed for the real run (the GPU
 scripts/torchrun_vl.py). On a CPU, or one process, the model loads for real in this process
 (flash-attn cannot run here: its code path runs on attnguard's SDPA twins) and the per-rank
 decision is shown as planned by attnguard's planner with the environment a 2-rank torchrun sets,
-not run. Needs accelerate (``device_map``); without it the example says so and exits.
+not run. Needs accelerate (``device_map``; the ``examples`` extra installs it); without it the
+example says so and exits with status 3.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402  (importing activates the guard)
 import torch  # noqa: E402
 from _shared import (  # noqa: E402
+    cannot_show,
     computed_by,
     finish,
     load_dtype,
@@ -105,8 +107,10 @@ def main() -> None:
     import importlib.util
 
     if importlib.util.find_spec("accelerate") is None:
-        print("family C needs accelerate (device_map): pip install accelerate")
-        return
+        cannot_show(
+            "accelerate is not installed (device_map needs it): `pip install accelerate`, or the "
+            "examples extra"
+        )
     rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())  # as VLMEvalKit's run.py

@@ -29,7 +29,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 import attnguard  # noqa: E402, F401  (importing activates the guard, before xformers is imported)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from _shared import finish, without_attnguard  # noqa: E402
+from _shared import cannot_show, finish, without_attnguard  # noqa: E402
 from attnguard.observability import events  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -118,9 +118,7 @@ def check(name: str, attn: SelfAttention, x: torch.Tensor, bias: torch.Tensor | 
 
 def main() -> None:
     if memory_efficient_attention is None and flash_attn_func is None:
-        print("Neither xformers nor flash_attn is installed: `pip install xformers` to run this.")
-        finish([])
-        return
+        cannot_show("neither xformers nor flash-attn is installed (`pip install xformers`)")
     torch.manual_seed(0)
     attn = SelfAttention()
     bias = block_causal_bias((1, 2, 3))  # 14 tokens over 3 scales

@@ -11,6 +11,9 @@ functions compute its calls, and one event names the kernel and why it could not
 hub kernel loads (a cached build, a reachable hub), attnguard changes nothing.
 
     python examples/hub_kernel_air_gapped.py
+
+On a transformers release that loads no attention kernel from the hub the example says so and
+exits with status 3.
 """
 
 from __future__ import annotations
@@ -24,16 +27,35 @@ os.environ.pop("LOCAL_KERNELS", None)
 if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log files stay JSON
     os.environ.setdefault("ATTNGUARD_LOG_FORMAT", "console")
 
+import importlib  # noqa: E402
+
 import attnguard  # noqa: E402,F401  (importing activates the guard)
 import torch  # noqa: E402
-from _shared import computed_by, finish, without_attnguard  # noqa: E402
+import transformers  # noqa: E402
+from _shared import cannot_show, computed_by, finish, without_attnguard  # noqa: E402
+from attnguard.integrations.transformers import hub  # noqa: E402
 from attnguard.observability import events  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 HUB = "kernels-community/flash-attn2"
 
 
+def loads_attention_from_the_hub() -> bool:
+    """Whether this transformers release has a loader of attention hub kernels (recognised by
+    shape: the loader attnguard guards)."""
+    try:
+        module = importlib.import_module(hub.MODULE)
+    except ImportError:
+        return False
+    return any(callable(getattr(module, name, None)) for name in hub.LOADERS)
+
+
 def main() -> None:
+    if not loads_attention_from_the_hub():
+        cannot_show(
+            f"transformers {transformers.__version__} loads no attention kernel from the kernel "
+            "hub (transformers 5 does)"
+        )
     config = LlamaConfig(
         vocab_size=128,
         hidden_size=64,

@@ -13,7 +13,8 @@ same layouts and bias objects (tensor bias, ``LowerTriangularMask``, ``BlockDiag
 and says so once per call site (``backend_rerouted`` on CPU tensors; on a GPU whose xformers ops
 did not load, ``kernel_error_recovered``). Each result is compared with a float64 reference.
 
-Run: ``python examples/xformers_unusable.py`` (needs ``pip install xformers``). GPU: not needed.
+Run: ``python examples/xformers_unusable.py`` (needs ``pip install xformers``; without it the
+example says so and exits with status 3). GPU: not needed.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if os.environ.get("ATTNGUARD_LOG", "stderr") == "stderr":  # human-readable; log
 
 import attnguard  # noqa: E402, F401  (importing activates the guard, before xformers is imported)
 import torch  # noqa: E402
-from _shared import finish, without_attnguard  # noqa: E402
+from _shared import cannot_show, finish, without_attnguard  # noqa: E402
 from attnguard.observability import events  # noqa: E402
 
 try:
@@ -47,9 +48,7 @@ def reference(q, k, v, keep=None, bias=None):  # float64, layout [B, M, H, K]
 
 def main() -> None:
     if xops is None:
-        print("xformers is not installed: `pip install xformers` to run this example.")
-        finish([])
-        return
+        cannot_show("xformers is not installed (`pip install xformers`, or the xformers extra)")
     torch.manual_seed(0)
     B, M, H, K = 2, 8, 4, 16
     q, k, v = (torch.randn(B, M, H, K, dtype=torch.float16) for _ in range(3))

@@ -177,9 +177,17 @@ def test_flash_advice_by_machine_and_workload() -> None:
 
 
 FACT_GRID = [
-    Facts(device=d, capability=c, packed_rows=p, sliding_window=w, twin_calls=t)
+    Facts(
+        device=d,
+        capability=c,
+        packed_rows=p,
+        sliding_window=w,
+        twin_calls=t,
+        packed_rows_apart=a,
+        sdpa_refused=("Gemma2ForCausalLM",) if r else (),
+    )
     for d, c in ((None, None), ("cpu", None), ("cuda", (7, 0)), ("cuda", (9, 0)))
-    for p, w, t in itertools.product((False, True), repeat=3)
+    for p, w, t, a, r in itertools.product((False, True), repeat=5)
 ]
 
 
@@ -187,12 +195,13 @@ FACT_GRID = [
 def test_no_reason_advises_what_cannot_be_done_here_or_changes_numbers(code: str) -> None:
     """Every reason code (those added later too), for every combination of facts: on a
     machine without a GPU no hint says to install or run something on this GPU, and where packed
-    rows or sliding windows reached the twins none says to request sdpa."""
+    rows that transformers' sdpa path would mix, sliding windows, or a model class that refuses
+    sdpa none says to request sdpa."""
     for facts in FACT_GRID:
         hint = advice.render(REASONS[code].hint, facts)
         if facts.device == "cpu":
             assert "for this torch and GPU" not in hint, (code, facts, hint)
-        if facts.packed_rows or facts.sliding_window:
+        if facts.packed_rows or facts.sliding_window or facts.sdpa_refused:
             assert f"request {SDPA}" not in hint, (code, facts, hint)
 
 

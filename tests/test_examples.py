@@ -10,6 +10,7 @@ reference. GPU runs of families A, C and E live in tests/gpu/test_examples_gpu.p
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -24,8 +25,10 @@ import torch
 import transformers
 from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
 
-from attnguard import facts
+from attnguard import facts, support
 from attnguard.observability import events
+from attnguard.observability.advice import Facts
+from attnguard.observability.report import hint_for
 
 EXAMPLES = REPO / "examples"
 BROKEN_DIR = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
@@ -107,13 +110,27 @@ def how_it_works_says(name: str, run: Run) -> None:
         assert f"`{e['event']}`" in row[2] and f"`{e['reason_code']}`" in row[2], (row, e)
 
 
-def run_example(name: str, *extra_path: str | Path, quotes: bool = True) -> Run:
+# the exit status of an example that could not show what it is for here (docs/examples.md)
+CANNOT_SHOW = 3
+
+
+def run_example(
+    name: str,
+    *extra_path: str | Path,
+    quotes: bool = True,
+    status: int = 0,
+    missing: tuple[str, ...] = (),
+) -> Run:
+    """Run ``examples/<name>`` as a user would; ``missing``: packages made absent for it (their
+    import fails and ``importlib.util.find_spec`` finds nothing, as where they are not
+    installed)."""
     env = subprocess_env(HF_HUB_OFFLINE="1", ATTNGUARD_LOG="stderr", ATTNGUARD_LOG_FORMAT="json")
     env["PYTHONPATH"] = os.pathsep.join([*map(str, extra_path), env["PYTHONPATH"]])
-    res = subprocess.run(
-        [PY, str(EXAMPLES / name)], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stderr[-4000:]}"
+    command = [PY, str(EXAMPLES / name)]
+    if missing:
+        command = [PY, "-c", _WITHOUT.format(missing=list(missing), path=str(EXAMPLES / name))]
+    res = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == status, f"{name} exited {res.returncode}:\n{res.stderr[-4000:]}"
     run = Run(res.stdout, res.stderr)
     for line in res.stdout.splitlines():
         if line.startswith("EVENTS: "):
@@ -157,6 +174,15 @@ def run_example(name: str, *extra_path: str | Path, quotes: bool = True) -> Run:
     if quotes and not torch.cuda.is_available():  # the docs quote a CPU machine's output
         check_quotes(name, run)
     return run
+
+
+_WITHOUT = (
+    "import runpy, sys\n"
+    "sys.modules.update(dict.fromkeys({missing}))\n"
+    "sys.argv = [{path!r}]\n"
+    "sys.path.insert(0, {path!r}.rsplit('/', 1)[0])\n"
+    "runpy.run_path({path!r}, run_name='__main__')\n"
+)
 
 
 def close_to_reference(run: Run, rel: float) -> None:
@@ -321,9 +347,10 @@ def test_family_e_falls_back_here_and_plans_bf16_on_the_gpu_for_an_h100() -> Non
 def test_broken_flash_install_example_without_one_says_how_to_make_one() -> None:
     if _flash_status().reason_code == facts.EXTENSION_BROKEN:
         pytest.skip("this environment itself has a broken flash-attn install")
-    run = run_example("broken_flash_install.py", quotes=False)  # the quotes are of a broken one
+    run = run_example("broken_flash_install.py", quotes=False, status=CANNOT_SHOW)
     assert run.events == []
     assert "FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE" in run.stdout
+    assert "could not show what it is for here: no broken flash-attn install" in run.stdout
 
 
 @pytest.mark.skipif(
@@ -340,13 +367,28 @@ def test_broken_flash_install_falls_back_naming_the_import_error() -> None:
     assert "with 'flash_attention_2'" in run.stdout and "one training step ran" in run.stdout
 
 
+def _loads_attention_from_the_hub() -> bool:
+    """Whether this transformers has a loader of attention hub kernels (the one attnguard
+    guards), by its shape."""
+    from attnguard.integrations.transformers import hub
+
+    try:
+        module = importlib.import_module(hub.MODULE)
+    except ImportError:
+        return False
+    return any(callable(getattr(module, name, None)) for name in hub.LOADERS)
+
+
 @pytest.mark.parametrize("kernels", ["absent", "installed"])
 def test_hub_kernel_air_gapped_computes_the_kernel_on_the_twins(kernels: str) -> None:
     """With the `kernels` package absent, or installed (scripts/test.sh's, at the newest version
     this transformers accepts where one exists) on a machine without network and an empty cache:
     the hub kernel cannot load, the twins compute its flash-attn 2 functions."""
-    if not hasattr(transformers.PreTrainedModel, "_check_and_adjust_attn_implementation"):
-        pytest.skip("this transformers release loads no flash attention from the kernel hub")
+    if not _loads_attention_from_the_hub():
+        run = run_example("hub_kernel_air_gapped.py", quotes=False, status=CANNOT_SHOW)
+        said = f"could not show what it is for here: transformers {transformers.__version__}"
+        assert said in run.stdout and run.events == []
+        return
     path: list[str] = []
     if kernels == "installed":
         where = os.environ.get("TEST_KERNELS_DIR")
@@ -363,6 +405,24 @@ def test_hub_kernel_air_gapped_computes_the_kernel_on_the_twins(kernels: str) ->
     assert "its kernel calls computed by attnguard's SDPA twins of the flash-attn 2" in run.stdout
     how_it_works_says("hub_kernel_air_gapped.py", run)
     assert "Generated tokens: " in run.stdout
+    # what to change: this machine's words (no other model told it the device), and the versions
+    # transformers accepts, which travel with the summary (a GPU's words name them)
+    (summary,) = [e for e in run.logged if e["event"] == "summary"]
+    (row,) = summary["advice"]
+    facts = summary["facts"]
+    if not torch.cuda.is_available():
+        assert facts["device"] == "cpu"
+        cpu = "flash-attn runs on CUDA GPUs only, so there is nothing to install on this machine"
+        assert row["hint"].startswith(cpu) and "GPU (sm80" not in row["hint"], row["hint"]
+    accepted = facts["kernels"]["accepted"].get("transformers")
+    gpu = Facts.of({**facts, "device": "cuda", "capability": "9.0"}).for_sites([fallback["site"]])
+    hint = hint_for("backend_fallback", row["reason_code"], gpu)
+    if row["reason_code"] == "hub_package_refused":
+        installed = facts["kernels"]["installed"]
+        assert f"`kernels` {installed} is installed and transformers accepts only" in hint
+        assert f"install kernels{accepted} if your package index has such a release" in hint
+    elif row["reason_code"] == "hub_package_missing" and accepted:
+        assert f"install kernels{accepted} (transformers accepts only these)" in hint
 
 
 @pytest.mark.skipif(not HAS_XFORMERS, reason="xformers is not installed (scripts/test.sh does)")
@@ -376,6 +436,10 @@ def test_xformers_unusable_carries_every_bias_type_on_sdpa() -> None:
     (summary,) = [e for e in run.logged if e["event"] == "summary"]
     assert summary["advice"] and all("flash" not in a["hint"] for a in summary["advice"])
     assert "flash" not in summary["reason"]
+    if not torch.cuda.is_available():  # one branch: this machine's
+        (row,) = summary["advice"]
+        assert row["hint"].startswith("this kernel runs on CUDA only and this machine has no GPU")
+        assert "pass it tensors on the GPU" not in row["hint"]
     assert set(run.errors) == {"tensor bias", "LowerTriangularMask", "BlockDiagonalMask"}
     close_to_reference(run, 0.005)  # fp16 rounding; a wrong mask costs ~2.7
 
@@ -399,5 +463,53 @@ def test_diffusers_flash_backend_runs_on_the_twin_with_natives_numbers() -> None
     assert summary["advice"] and all(
         "attn_implementation" not in a["hint"] for a in summary["advice"]
     )
+    fallback = next(a for a in summary["advice"] if a["event"] == "backend_fallback")
+    assert 'set_attention_backend("native")' in fallback["hint"]
+    if not torch.cuda.is_available():  # this machine's words, its device recorded
+        assert summary["facts"]["device"] == "cpu"
+        assert "nothing to install on this machine" in fallback["hint"]
+        assert "for this torch and GPU" not in fallback["hint"]
     assert set(run.errors) == {"flash vs native", "mixed dtypes"}
     close_to_reference(run, 1e-6)  # the same numbers as diffusers' native backend
+
+
+def test_the_recorded_lines_name_the_release_they_were_recorded_with() -> None:
+    """README's "What you see" lines name the transformers and torch they were recorded with:
+    the newest transformers the test runs use and CI's torch (attnguard/support.py), so a new
+    release in that table fails here until the lines are recorded again with it (where it is
+    installed, every line is checked against the examples' output: check_quotes)."""
+    assert RECORDED_WITH == support.TRANSFORMERS_NEWEST
+    assert f"lines recorded with transformers {RECORDED_WITH}, torch {support.TORCH_CI};" in README
+
+
+# an example that cannot show what it is for here: what it lacks, made absent
+CANNOT = [
+    ("xformers_unusable.py", ("xformers",), "xformers is not installed"),
+    ("family_d_custom_attention.py", ("xformers", "flash_attn"), "neither xformers nor flash"),
+    ("diffusers_flash_backend.py", ("diffusers",), "diffusers is not installed"),
+    ("family_c_torchrun_device_map.py", ("accelerate",), "accelerate is not installed"),
+]
+
+
+@pytest.mark.parametrize(("name", "missing", "said"), CANNOT, ids=[c[0] for c in CANNOT])
+def test_an_example_that_cannot_show_what_it_is_for_exits_3(
+    name: str, missing: tuple[str, ...], said: str
+) -> None:
+    """A script or CI that runs an example reads "not shown" from its exit status, never
+    success; the one line says what is missing (docs/examples.md)."""
+    run = run_example(name, quotes=False, status=CANNOT_SHOW, missing=missing)
+    assert f"could not show what it is for here: {said}" in run.stdout
+    assert run.events == []
+    assert CANNOT_SHOW == 3 and "exits with status 3" in DOCS_EXAMPLES
+
+
+def test_the_family_c_example_gets_accelerate_from_an_extra() -> None:
+    """Family C needs accelerate (``device_map``): the ``examples`` extra installs it, and
+    README's Install says so."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert any(r.startswith("accelerate") for r in extras["examples"])
+    said = "`examples` (accelerate, which `examples/family_c_torchrun_device_map.py` needs"
+    assert said in " ".join(README.split())

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..observability import workload
+
 # reason codes of a hub kernel that cannot load (observability.reasons says what each means)
 HUB_PACKAGE_MISSING = "hub_package_missing"
 HUB_PACKAGE_REFUSED = "hub_package_refused"
@@ -95,6 +97,8 @@ def record(
 
         code, why = package.refusal() or (HUB_KERNEL_UNAVAILABLE, first_line(error))
         outcome = HubKernel(repo, False, code, why, library)
+        # the exit summary's advice names the versions the library accepts
+        workload.note_kernels(package.version, package.library, package.accepted)
     with _lock:
         _outcomes[repo] = outcome
     return outcome

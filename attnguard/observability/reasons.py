@@ -16,6 +16,8 @@ from .advice import (
     Facts,
     diffusers_backend,
     flash_kernel,
+    hub_package_missing,
+    hub_package_refused,
     kernel_cannot,
     no_gpu_kernel,
     render,
@@ -137,20 +139,14 @@ _TABLE: tuple[Reason, ...] = (
         "flash attention from the Hugging Face kernel hub (an org/repo request, transformers' own "
         "fallback, a model routed to a hub kernel, a diffusers *_hub backend) needs the `kernels` "
         "package, which is not installed",
-        flash_kernel(
-            "install the `kernels` package at a version your transformers / diffusers accepts, "
-            "or flash-attn, for this torch and GPU"
-        ),
+        flash_kernel(hub_package_missing),
     ),
     Reason(
         "hub_package_refused",
         _FALLBACK,
         "flash attention from the kernel hub, and the installed `kernels` package is outside the "
         "versions the library that loads it accepts (the event names both)",
-        flash_kernel(
-            "install a `kernels` version the library accepts (the event names the range), or "
-            "flash-attn for this torch and GPU"
-        ),
+        flash_kernel(hub_package_refused),
     ),
     Reason(
         "hub_kernel_unavailable",

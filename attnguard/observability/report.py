@@ -57,6 +57,7 @@ def advice(keys: Iterable[Mapping[str, Any]], facts: Facts | None = None) -> lis
     code (for what happened: ``facts``): one row per (event, reason_code), from summary
     ``keys``; observations without a change are left out."""
     rows: dict[tuple[str, Any], dict[str, Any]] = {}
+    sites: dict[tuple[str, Any], set[Any]] = {}
     for k in keys:
         event = k.get("event")
         if not isinstance(event, str) or event == "observed":
@@ -66,14 +67,18 @@ def advice(keys: Iterable[Mapping[str, Any]], facts: Facts | None = None) -> lis
             {"event": event, "reason_code": k.get("reason_code"), "count": 0}
             | dict.fromkeys(KINDS, 0),
         )
+        sites.setdefault((event, k.get("reason_code")), set()).add(k.get("site"))
         row["count"] += int(k.get("count", 0) or 0)
         for kind, n in kinds_of(k).items():
             row[kind] += n
     out = []
-    for row in sorted(
-        rows.values(), key=lambda r: (-r["count"], r["event"], str(r["reason_code"]))
+    for key, row in sorted(
+        rows.items(), key=lambda kv: (-kv[1]["count"], kv[1]["event"], str(kv[1]["reason_code"]))
     ):
-        row["hint"] = hint_for(row["event"], row["reason_code"], facts)
+        # the words of the library that made these requests (transformers' or diffusers')
+        row["hint"] = hint_for(
+            row["event"], row["reason_code"], (facts or Facts()).for_sites(sites[key])
+        )
         out.append(row)
     return out
 

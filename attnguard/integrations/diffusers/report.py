@@ -34,11 +34,14 @@ def describe() -> dict[str, Any]:
     check = getattr(check, "__attnguard_original__", check)
     rows = []
     for name, key in sorted(shape.backends(module).items()):
+        usable: bool | None
         try:
             check(key)
             usable, reason = True, ""
         except Exception as exc:
             usable, reason = False, (str(exc).strip().splitlines() or [""])[0][:160]
+        if usable and hub.is_hub(module, name):  # diffusers checks the package, not the kernel
+            usable, reason = _hub_kernel_here(module, name)
         rows.append(
             {
                 "name": name,
@@ -52,9 +55,30 @@ def describe() -> dict[str, Any]:
     return out
 
 
-def _under_attnguard(name: str, usable: bool, module: Any) -> str:
+def _hub_kernel_here(module: Any, name: str) -> tuple[bool | None, str]:
+    """Whether backend ``name``'s hub kernel can load here, from what this machine has without
+    network (nothing is fetched): True where it loaded in this process or a build is in the cache
+    or LOCAL_KERNELS; False where it did not load, or offline with no build here; None where it
+    would be downloaded when chosen."""
+    from ...facts import hub as hub_facts
+
+    repo = shape.hub_configs(module)[name].repo_id
+    found = hub_facts.outcome(repo)
+    if found is not None:
+        return found.loaded, "loaded in this process" if found.loaded else found.reason
+    if any(k.repo == repo for k in hub_facts.cached()):
+        return True, f"a build of {repo} is on this machine (cache or LOCAL_KERNELS)"
+    if hub_facts.offline():
+        return False, (
+            f"offline (HF_HUB_OFFLINE) and no build of {repo} in the cache or LOCAL_KERNELS: "
+            "it cannot load here"
+        )
+    return None, f"no build of {repo} on this machine: diffusers downloads it when chosen"
+
+
+def _under_attnguard(name: str, usable: bool | None, module: Any) -> str:
     if hub.is_hub(module, name):
-        return hub.describe(module, name, usable)
+        return hub.describe(module, name, usable is not False)
     if usable:
         if name in shape.GUARDED:
             return "as requested; per call: dtypes, devices, known kernel errors"
@@ -79,12 +103,14 @@ def lines(data: dict[str, Any]) -> list[str]:
         return [f"{head}: dispatch not recognised ({data['why']}); not guarded"]
     out = [
         f"{head} (attnguard guards {window}); usable: diffusers' requirements check passes "
-        "(its message in doctor --json)"
+        "and, for a *_hub backend, its hub kernel loaded or a build of it is on this machine "
+        "(cache, LOCAL_KERNELS); fetch: a *_hub kernel diffusers would download when chosen "
+        "(the reasons in doctor --json)"
     ]
     rows = data["backends"]
     widths = [max(len(str(r[k])) for r in rows) for k in ("name", "package")]
     for r in rows:
-        usable = "yes" if r["usable"] else "no "
+        usable = {True: "yes  ", False: "no   ", None: "fetch"}[r["usable"]]
         out.append(
             f"  {r['name']:<{widths[0]}}  {r['package']:<{widths[1]}}  usable {usable}  "
             f"-> {r['under_attnguard']}"

@@ -194,6 +194,10 @@ def wrap_registry_entry(
         dt = query.dtype
         dev = query.get_device()
         mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
+        # on the twins: what reaches them (the exit summary's advice), calls remedied below too
+        on_twins = flash and watch[0] and twin_arguments and twin_arguments.get(name) is not None
+        if on_twins and not compiling():
+            note_call(mask, kwargs)
         if key.dtype is not dt or value.dtype is not dt:
             return True
         if key.get_device() != dev or value.get_device() != dev:
@@ -202,8 +206,6 @@ def wrap_registry_entry(
             return True
         if flash:
             known = twin_arguments.get(name) if twin_arguments else None
-            if known is not None and watch[0] and not compiling():
-                note_call(mask, kwargs)  # what reaches the twins (the exit summary's advice)
             if known is not None and not known.issuperset(kwargs):
                 aside = aside_for.get(type(args[0]))
                 if aside is None:  # not judged yet: the slow path judges (never in a trace)

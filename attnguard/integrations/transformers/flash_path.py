@@ -349,6 +349,14 @@ def serving(implementation: str) -> None:
     compute (:mod:`.arguments`)."""
     NOW.twin_arguments[implementation] = _computed()
 
+    watch_masks()
+
+
+def watch_masks() -> None:
+    """Watch whether transformers' own mask code holds packed rows apart (the exit summary's
+    advice: :mod:`.twin_calls`), from the first flash request on (its model's module imported the
+    mask code; its first forward builds a mask before any flash call)."""
+    twin_calls.watch_masks(sys.modules.get(twin_calls.MASKS), ledger)
 
 def stop_serving(implementation: str) -> None:
     """``implementation``'s kernel loaded after all (a hub kernel the library tried again): the

@@ -225,13 +225,15 @@ def report_lines(data: dict[str, Any]) -> list[str]:
     """``attnguard doctor``'s text for :func:`report`."""
     if "error" in data:
         return [f"  {data['error']}"]
-    version = data["kernels"] or "not installed"
-    accepted = data["accepted"] or "any version"
-    verdict = "refused" if data["refused"] else "accepted"
-    lines = [
-        f"  kernels: {version}; this transformers accepts {accepted}: {verdict}; "
-        f"huggingface_hub offline: {'yes' if data['offline'] else 'no'}"
-    ]
+    version, accepted = data["kernels"], data["accepted"]
+    window = f"kernels{accepted}" if accepted else "any version"
+    if version is None:  # absent: nothing was refused
+        head = f"kernels: not installed (this transformers accepts {window})"
+    elif data["refused"]:
+        head = f"kernels {version}: refused (this transformers accepts only {window})"
+    else:
+        head = f"kernels {version}: accepted (this transformers accepts {window})"
+    lines = [f"  {head}; huggingface_hub offline: {'yes' if data['offline'] else 'no'}"]
     for request, what in data["flash_requests"].items():
         lines.append(f"  {request} with its flash-attn missing: {what}")
     lines.append("  hub kernels this machine has without network (cache, LOCAL_KERNELS):")
