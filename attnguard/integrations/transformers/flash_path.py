@@ -348,7 +348,6 @@ def serving(implementation: str) -> None:
     kernel that did not load): its registry calls are checked for arguments the twins would not
     compute (:mod:`.arguments`)."""
     NOW.twin_arguments[implementation] = _computed()
-
     watch_masks()
 
 
@@ -357,6 +356,7 @@ def watch_masks() -> None:
     advice: :mod:`.twin_calls`), from the first flash request on (its model's module imported the
     mask code; its first forward builds a mask before any flash call)."""
     twin_calls.watch_masks(sys.modules.get(twin_calls.MASKS), ledger)
+
 
 def stop_serving(implementation: str) -> None:
     """``implementation``'s kernel loaded after all (a hub kernel the library tried again): the
