@@ -92,12 +92,15 @@ def vl_prompt(device: Any = "cpu") -> dict[str, Any]:
 def computed_by(model: Any) -> str:
     """One line: the model's attention implementation and what computes its calls (where flash
     attention cannot run, :mod:`attnguard.kernels` sends transformers' flash path to the twins)."""
+    from attnguard import kernel_identity
+
     impl = model.config._attn_implementation
-    if not (isinstance(impl, str) and "flash" in impl):
+    kernel = kernel_identity.of_request(impl)
+    if kernel is None or not kernel.flash:  # what it is, not a piece of its name
         return f"attention {impl!r}: transformers' {impl} code path"
     unusable = kernels.flash_kernel_unusable(impl)
-    functions = kernels.hub_twin_of(impl)
-    if functions is not None:  # a hub kernel (transformers' own fallback, or asked for)
+    functions = kernel.family.value if kernel.family is not None else ""
+    if kernel.source is kernel_identity.Source.HUB:  # transformers' own fallback, or asked for
         if unusable is None:
             return f"attention {impl!r}: transformers' flash code path on the hub kernel"
         return (
