@@ -276,7 +276,7 @@ def prepare_environment(overlay: bool) -> str:
         )
     elif not missing:
         say(f"environment {sys.prefix}: installing attnguard from this checkout (editable)")
-        pip("install", "-qq", "--no-deps", "--no-build-isolation", "-e", str(REPO))
+        pip("install", "-qq", "--no-deps", "-e", str(REPO))
     else:
         say(
             f"environment {sys.prefix}: installing {' '.join(pins)} and attnguard (editable) "
@@ -577,6 +577,8 @@ def main() -> None:
     o.add_argument("reqs", nargs="+")
     sub.add_parser("prune", help="remove cache entries unused for TEST_CACHE_DAYS")
     args = parser.parse_args()
+    global SAYS
+    SAYS = "scripts/test.sh" if args.command == "setup" else "scripts/testenv.py"
     if args.command == "setup":
         setup()
     elif args.command == "current":
