@@ -75,10 +75,11 @@ STARTED = time.monotonic()
 DAY = 86400.0
 
 
+SAYS = "scripts/test.sh"  # who speaks: the test command, or .ci/run through this script
+
+
 def say(line: str) -> None:
-    print(
-        f"scripts/test.sh [{time.monotonic() - STARTED:5.1f} s] {line}", file=sys.stderr, flush=True
-    )
+    print(f"{SAYS} [{time.monotonic() - STARTED:5.1f} s] {line}", file=sys.stderr, flush=True)
 
 
 def key(*parts: object) -> str:
@@ -517,15 +518,7 @@ def venv(args: argparse.Namespace) -> None:
         here = [python, str(REPO / "scripts" / "testenv.py"), "current"]
         if subprocess.run(here).returncode != 0:
             say(f"venv {where.name}: installing attnguard from this checkout (editable)")
-            pip(
-                "install",
-                "-qq",
-                "--no-deps",
-                "--no-build-isolation",
-                "-e",
-                str(REPO),
-                python=python,
-            )
+            pip("install", "-qq", "--no-deps", "-e", str(REPO), python=python)
         os.utime(where)
     print(where)
 
