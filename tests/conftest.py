@@ -55,6 +55,7 @@ ONCE = {
     "test_job_scale.py",
     "test_log_shipper.py",
     "test_otel_exit.py",
+    "test_readme_numbers.py",
     "test_unknown_release.py",
 }
 
