@@ -119,14 +119,14 @@ _NUMBER = r"(\d{1,3}(?:,\d{3})*)"
 # passed, S0 to S1 skipped"
 _LABELS = {"full": "How long it takes:", "smoke": "How long the smoke suite takes:"}
 _CLAIM = (
-    r"\s+(\d+)\s+to\s+(\d+)\s+minutes\s+on\s+a\s+(\d+)-core\s+machine.{0,300}?"
+    r"\s+(\d+(?:\.\d+)?)\s+to\s+(\d+(?:\.\d+)?)\s+minutes\s+on\s+a\s+(\d+)-core\s+machine.{0,400}?"
     rf"\({_NUMBER}\s+to\s+{_NUMBER}\s+passed,\s+{_NUMBER}\s+to\s+{_NUMBER}\s+skipped"
 )
 
 
 @dataclass(frozen=True)
 class Claim:
-    minutes: tuple[int, int]
+    minutes: tuple[float, float]
     cpus: int
     passed: tuple[int, int]
     skipped: tuple[int, int]
@@ -139,7 +139,8 @@ def claims(text: str) -> dict[str, Claim]:
         found = re.search(re.escape(label) + _CLAIM, text, re.S)
         if found is None:
             raise ValueError(f"README no longer states the {kind} command's time and counts")
-        m0, m1, n, p0, p1, s0, s1 = (int(g.replace(",", "")) for g in found.groups())
+        m0, m1 = float(found.group(1)), float(found.group(2))
+        n, p0, p1, s0, s1 = (int(g.replace(",", "")) for g in found.groups()[2:])
         out[kind] = Claim((m0, m1), n, (p0, p1), (s0, s1))
     return out
 
@@ -166,7 +167,7 @@ def slower_or_faster(run: Run, claim: Claim) -> str:
     minutes = round(run.minutes + run.setup_minutes, 1)
     if run.cpus != claim.cpus or low <= minutes <= high:
         return ""
-    return f"{minutes} minutes on {run.cpus} CPUs, README says {low} to {high}"
+    return f"{minutes} minutes on {run.cpus} CPUs, README says {low:g} to {high:g}"
 
 
 def check(kind: str, text: str | None = None) -> tuple[bool, str]:
