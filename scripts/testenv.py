@@ -190,7 +190,7 @@ def resolve(
 
     def ask() -> list[str] | str:
         res = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "-qq", "--report", "-", *reqs],
+            [sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", "-", *reqs],
             capture_output=True,
             text=True,
             env={**os.environ, **on_path(front), **(env or {})},
@@ -201,7 +201,7 @@ def resolve(
         said = res.stdout + res.stderr
         if "ResolutionImpossible" in said:
             why = re.findall(r"^ +(\S+ \S+ depends on .*)$", said, re.M)
-            return "; ".join(why) or "conflicting requirements"
+            return ";".join(why) or "conflicting requirements"
         if conflicts_only:
             sys.stderr.write(said[-8000:])
             raise SystemExit("scripts/test.sh: pip could not resolve " + " ".join(reqs))
