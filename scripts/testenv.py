@@ -36,10 +36,11 @@ this torch, or its tests skip and say why (TEST_*_ABSENT):
         meets); for the hub-kernel tests' programs ($TEST_KERNELS_DIR, else TEST_KERNELS_ABSENT)
     kernels-0.11.7-nodeps/         a release diffusers refuses, metadata only ($TEST_KERNELS_REFUSED_DIR)
 
-A key is a hash of the Python, what pip resolved and the packages the environment holds, so an
-environment that changes gets new entries and never a stale one; pip's answers are asked again
-after TEST_RESOLVE_DAYS (7). Entries are written under a temporary name and renamed into place, so
-two test runs sharing TEST_DEPS_DIR (CI's two streams) never see a half-made one.
+An entry's key is a hash of the Python and the releases pip resolved for it; pip's answer is
+remembered under the packages the environment holds (asked again after TEST_RESOLVE_DAYS, 7), so an
+environment that changes gets its own entries and never a stale one. Entries are written under a
+temporary name and renamed into place, so two test runs sharing TEST_DEPS_DIR (CI's two workers)
+never see a half-made one.
 """
 
 from __future__ import annotations
