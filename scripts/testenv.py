@@ -190,15 +190,19 @@ def resolve(
     ``conflicts_only``: any other failure (no such release, no network) stops the test command."""
 
     def ask() -> list[str] | str:
+        # not quiet: pip names a conflict's causes only at its normal verbosity
+        report = cache.root / f".report.{os.getpid()}.json"
         res = subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--report", "-", *reqs],
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--report", str(report), *reqs],
             capture_output=True,
             text=True,
             env={**os.environ, **on_path(front), **(env or {})},
         )
         if res.returncode == 0:
-            plan = json.loads(res.stdout)["install"]
+            plan = json.loads(report.read_text())["install"]
+            report.unlink()
             return [f"{p['metadata']['name']}=={p['metadata']['version']}" for p in plan]
+        report.unlink(missing_ok=True)
         said = res.stdout + res.stderr
         if "ResolutionImpossible" in said:
             why = re.findall(r"^ +(\S+ \S+ depends on .*)$", said, re.M)
@@ -209,7 +213,8 @@ def resolve(
         return (re.findall(r"^ERROR: (.*)$", said, re.M) or ["pip failed"])[-1]
 
     days = float(os.environ.get("TEST_RESOLVE_DAYS", "7"))
-    return cache.memo("resolved", [PY, reqs, env or {}, held([*front, *sys.path])], ask, days)
+    parts = [PY, reqs, env or {}, held([*front, *sys.path]), "with causes"]
+    return cache.memo("resolved", parts, ask, days)
 
 
 def site_dir(
