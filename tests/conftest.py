@@ -55,6 +55,7 @@ ONCE = {
     "test_job_scale.py",
     "test_log_shipper.py",
     "test_otel_exit.py",
+    "test_readme_numbers.py",
     "test_unknown_release.py",
 }
 
@@ -86,6 +87,25 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         return
     path = run_record.record(kind, terminalreporter.stats, time.monotonic() - started)
     terminalreporter.write_line(f"{kind} run recorded in {path} (README checks its numbers)")
+
+
+# the seconds each test file took, where TEST_FILE_TIMES names a file for them: .ci/run splits its
+# next run's full-suite parts by them (scripts/ci_parts.py)
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("TEST_FILE_TIMES"):
+        path = report.nodeid.split("::")[0]
+        _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    where = os.environ.get("TEST_FILE_TIMES")
+    if where and _FILE_SECONDS:
+        import json
+
+        Path(where).write_text(json.dumps({k: round(v, 2) for k, v in _FILE_SECONDS.items()}))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

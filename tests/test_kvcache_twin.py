@@ -510,14 +510,51 @@ def test_kvcache_all_options_together(dtype):
     check(got, want, dtype, exact_cache=False)
 
 
-def test_kvcache_compile_formulation_matches_reference(monkeypatch):
-    """Under compile the keys keep the full cache capacity (no host read of the lengths);
-    that formulation, run eagerly, against the reference too."""
+def _compile_case(case):
+    """Inputs whose caches have room past the longest sequence: there the eager formulation
+    (keys gathered up to the longest sequence) and the compiled one (the whole capacity)
+    differ in shape."""
+    if case == "all options":
+        q, kc, vc, k, v = cache_inputs(h=4, hk=1, sq=3, sn=3, sc=16, seed=135, bc=4)
+        angle = torch.arange(16).double()[:, None] * (0.6 ** torch.arange(8).double())
+        kw = {
+            "rotary_cos": angle.cos().float(),
+            "rotary_sin": angle.sin().float(),
+            "rotary_interleaved": False,
+            "cache_seqlens": i32([5, 0, 9]),
+            "cache_batch_idx": i32([2, 3, 0]),
+            "cache_leftpad": i32([2, 0, 4]),
+            "causal": True,
+            "window_size": (6, 0),
+            "softcap": 3.0,
+            "alibi_slopes": torch.rand(3, 4, generator=torch.Generator().manual_seed(136)),
+        }
+        return (q, kc, vc, k, v), kw
+    if case == "paged":
+        q, _, _, k, v = cache_inputs(sq=3, sn=3, seed=60)
+        kc, vc = rand(9, 4, 2, 16, seed=61), rand(9, 4, 2, 16, seed=62)
+        table = i32([[7, 2, 5], [0, 8, 3], [6, 1, 4]])
+        return (q, kc, vc, k, v), {"cache_seqlens": i32([6, 0, 5]), "block_table": table}
+    if case == "leftpad and window":
+        q, kc, vc, k, v = cache_inputs(b=2, sq=3, sn=1, seed=55)
+        kw = {"cache_seqlens": i32([6, 3]), "cache_leftpad": i32([6, 1]), "window_size": (0, 0)}
+        return (q, kc, vc, k, v), {**kw, "causal": True}
+    q, kc, vc, _, _ = cache_inputs(sq=2, seed=120)  # no new keys
+    return (q, kc, vc), {"cache_seqlens": i32([3, 9, 1]), "causal": True}
+
+
+@pytest.mark.parametrize("case", ["all options", "paged", "leftpad and window", "no new keys"])
+def test_kvcache_compile_formulation_matches_reference(monkeypatch, case):
+    """Under compile the keys keep the full cache capacity (no host read of the lengths): that
+    formulation, run eagerly, equals the float64 reference and the eager formulation."""
+    args, kw = _compile_case(case)
+    eager, want = run_both(*args, **kw)
     monkeypatch.setattr(fallback.kvcache, "compiling", lambda: True)
-    test_kvcache_all_options_together(F32)
-    test_kvcache_paged_shuffled_block_table(F32)
-    test_kvcache_leftpad_with_window_and_lse_of_empty_rows()
-    test_kvcache_without_new_keys_and_without_seqlens()
+    compiled, again = run_both(*args, **kw)
+    check(compiled, want, F32, exact_cache="rotary_cos" not in kw)
+    for got, eager_got in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, eager_got, atol=1e-6, rtol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(want, again, strict=True))
 
 
 def test_kvcache_argument_errors():

@@ -25,6 +25,7 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 README = (REPO / "README.md").read_text()
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 TEST_SH = (REPO / "scripts" / "test.sh").read_text()
+TESTENV = (REPO / "scripts" / "testenv.py").read_text()  # what the test command installs
 CI_RUN = (REPO / ".ci" / "run").read_text()
 
 
@@ -162,20 +163,29 @@ def shell_array(text: str, name: str) -> list[str]:
     return body.split()
 
 
+def constant(name: str) -> str:
+    """A constant of scripts/testenv.py: ``NAME = "value"``."""
+    return re.search(rf'^{name} = "([^"]+)"', TESTENV, re.M).group(1)
+
+
 def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     assert tuple(shell_array(CI_RUN, "full")) == support.TRANSFORMERS_FULL
     assert tuple(shell_array(CI_RUN, "smoke")) == support.TRANSFORMERS_SMOKE
     assert re.search(r"^below=(\S+)", CI_RUN, re.M).group(1) == support.TRANSFORMERS_BELOW
-    # a full lane on the newest release, unpinned: scripts/test.sh without TRANSFORMERS_VERSION
-    assert re.search(r"^\s*full_lane a newest$", CI_RUN, re.M)
-    assert '[ "$v" = newest ] && pin=(TEST_ZOO=all)' in CI_RUN
-    pins = dict(re.findall(r'"([a-z-]+)==([\d.]+)"', TEST_SH))
+    # every release listed is a lane: a full lane on the newest release, unpinned (the test
+    # command without TRANSFORMERS_VERSION, the whole zoo), and on each pinned full release
+    assert 'lanes+=("full:newest:$p")' in CI_RUN
+    assert 'for v in "${full[@]}"; do for p in' in CI_RUN
+    assert 'for v in "${smoke[@]}"; do lanes+=("smoke:$v"); done' in CI_RUN
+    assert 'test_sh "$venv" TEST_ZOO=all --' in CI_RUN
+    assert "--transformers newest" in CI_RUN
     # the test command keeps the environment's torch; 2.13.0 only where there is none
+    assert constant("NO_TORCH_DEFAULT") == support.TORCH_CI
+    assert re.search(r"^torch_ci=(\S+)", CI_RUN, re.M).group(1) == support.TORCH_CI
+    assert 'pip("install", "-qq", *pins, "-e", f"{REPO}[test]")' in TESTENV
+    assert constant("XFORMERS_NEWEST") == support.COMPONENTS["xformers"].tested[0]
+    pins = dict(re.findall(r'"([a-z-]+)==([\d.]+)"', TESTENV))
     assert "torch" not in pins
-    assert re.search(r"^no_torch_default=(\S+)", TEST_SH, re.M).group(1) == support.TORCH_CI
-    assert '"$torch_pin" "${pin[@]}" -e ".[test]"' in TEST_SH
-    xformers_newest = re.search(r"^xformers_newest=(\S+)", TEST_SH, re.M).group(1)
-    assert xformers_newest == support.COMPONENTS["xformers"].tested[0]
     assert pins["flash-attn"] in support.COMPONENTS["flash-attn"].tested
     assert pins["diffusers"] == support.DIFFUSERS_CI
     assert pins["deepspeed"] == support.DEEPSPEED
@@ -183,9 +193,10 @@ def test_ci_and_the_test_command_run_the_versions_the_matrix_lists() -> None:
     lanes = [lane.split("=") for lane in shell_array(CI_RUN, "torch_lanes")]
     assert lanes[0] == ["newest", "newest"]
     assert tuple((t, tf) for t, tf in lanes[1:]) == support.TORCH_LANES
-    assert re.search(r'^\s*torch_lane a "\$\{torch_lanes\[0\]\}"$', CI_RUN, re.M)
-    assert re.search(r'^\s*for lane in "\$\{torch_lanes\[@\]:1\}"; do torch_lane b', CI_RUN, re.M)
-    assert 'PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q torch ' in CI_RUN
+    assert 'for t in "${torch_lanes[@]}"; do lanes+=("torch:$t"); done' in CI_RUN
+    # this machine's pip caps torch: the newest torch's venv and its test run lift the cap
+    assert '{"PIP_CONSTRAINT": "/dev/null"} if args.torch == "newest"' in TESTENV
+    assert 'test_sh "$venv" PIP_CONSTRAINT=/dev/null --' in CI_RUN
     ray = re.search(r'"ray==([\d.]+)"', CI_RUN).group(1)
     also = readme_section("Compatibility")
     assert re.search(rf"DeepSpeed\s+{re.escape(support.DEEPSPEED)} ", also)
@@ -224,23 +235,19 @@ def test_the_readme_install_and_test_commands_agree_with_the_test_command() -> N
     listed = re.search(r"`test`\s+extras \(([^)]*)\)", tests).group(1)
     names = [requirement(r)[0] for r in extras["test"]]
     assert [n.strip() for n in listed.split(",")] == names
-    # what goes into .test-deps/, with the versions test.sh installs there with --target
-    for dist, label, var in (
-        ("xformers", "xformers", "xformers"),
-        ("deepspeed", "DeepSpeed", "deepspeed"),
-        ("flash-attn", "flash-attn", "broken"),
-        ("diffusers", "diffusers", "diffusers"),
+    # what goes into .test-deps/, with the versions the test command installs there
+    for label, version in (
+        ("xformers", constant("XFORMERS_NEWEST")),
+        ("DeepSpeed", constant("DEEPSPEED").split("==")[1]),
+        ("flash-attn", constant("FLASH_ATTN").split("==")[1]),
+        ("diffusers", constant("DIFFUSERS").split("==")[1]),
     ):
-        pinned = re.search(rf'"{dist}==([\d.]+)"', TEST_SH)
-        version = (
-            pinned.group(1) if pinned else re.search(r"^xformers_newest=(\S+)", TEST_SH, re.M)[1]
-        )
         assert f"{label} {version}" in tests
-        assert f'{var}="$deps/' in TEST_SH and f'--target "${var}"' in TEST_SH, dist
+    assert '"--target", str(where)' in TESTENV  # with pip's --target, not into the environment
     for older in support.XFORMERS_FOR_OLDER_TORCH:  # what an older torch gets instead
         assert older in tests
-    assert 'PYTHONPATH="$xformers' in TEST_SH  # on the test run's path, not in the environment
-    assert 'PYTHONPATH="$diffusers' in TEST_SH
+    # xformers and diffusers on the test run's path, not in the environment
+    assert "front = [d for d in (xformers_dir, diffusers_dir, *env) if d]" in TESTENV
 
 
 # --- the version policy's fixed words ---------------------------------------------------------------

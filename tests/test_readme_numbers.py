@@ -52,6 +52,10 @@ def test_counts_outside_the_range_contradict_readme_minutes_are_said() -> None:
         "41.0 minutes on 2 CPUs, README says 18 to 30"
     )
     assert run_record.slower_or_faster(_run(minutes=6.0, cpus=16), claim) == ""  # another machine
+    # README's time includes the test command's set-up
+    assert run_record.slower_or_faster(_run(minutes=29.0, setup_minutes=2.0), claim) == (
+        "31.0 minutes on 2 CPUs, README says 18 to 30"
+    )
 
 
 def _config(mark: str = "", source: str = "TESTPATHS", **option: Any) -> Any:
@@ -103,10 +107,52 @@ def test_a_smoke_session_records_itself(tmp_path: Path) -> None:
     assert not (runs / "full.json").exists()
 
 
-@pytest.mark.parametrize("kind", run_record.KINDS)
-def test_the_last_recorded_run_holds_readmes_counts(kind: str) -> None:
-    """The run recorded last in this checkout (the previous run of that command)."""
-    if run_record.last(kind) is None:
-        pytest.skip(f"no {kind} run recorded in {run_record.runs_dir()} yet")
-    holds, said = run_record.check(kind)
-    assert holds, said
+# the tests each README command runs, counted at collection (module skips: one each, as in a run)
+COUNTER = """
+import json, os
+
+def pytest_collection_finish(session):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", []))
+    smoke = sum(1 for item in session.items if item.get_closest_marker("smoke"))
+    counts = {"full": len(session.items) + skipped, "smoke": smoke + skipped}
+    with open(os.environ["COUNTS_TO"], "w") as out:
+        json.dump(counts, out)
+"""
+
+
+def test_the_suite_holds_readmes_counts(tmp_path: Path) -> None:
+    """The tests each README command runs (its marker over the testpaths, collected as the command
+    collects them, in this environment) number within README's passed + skipped range: a suite
+    that grows or shrinks out of README's numbers fails here, not only in a recorded run."""
+    (tmp_path / "readme_counts.py").write_text(COUNTER)
+    env = subprocess_env(COUNTS_TO=str(tmp_path / "counts.json"))
+    for var in ("TEST_ZOO", "TEST_ZOO_SELECT"):  # README's commands enumerate the zoo's sample
+        env.pop(var, None)
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    res = subprocess.run(
+        [
+            PY,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "readme_counts",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    for kind, claim in run_record.claims(run_record.README.read_text()).items():
+        low, high = claim.passed[0] + claim.skipped[0], claim.passed[1] + claim.skipped[1]
+        assert low <= counts[kind] <= high, (
+            f"the {kind} command runs {counts[kind]} tests; README says {claim.passed[0]:,} to "
+            f"{claim.passed[1]:,} passed and {claim.skipped[0]:,} to {claim.skipped[1]:,} skipped"
+        )
