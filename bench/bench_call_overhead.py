@@ -94,7 +94,7 @@ def _direct_entry(name: str, kind: str, original: Callable[..., Any]) -> callgua
 
 def _fastest_rows() -> list[Row]:
     """Decode calls, guarded with nothing to fix and under fastest with the bucket decided."""
-    from attnguard.selection import buckets, decisions
+    from attnguard.selection import served
 
     out: list[Row] = []
     meta = dict(dtype=torch.bfloat16, device="meta")
@@ -116,8 +116,7 @@ def _fastest_rows() -> list[Row]:
                 return _noop_flash(*a, **k)
 
             def plant(name: str = name, args: tuple[Any, ...] = args, kw: dict = kw) -> None:
-                sig = buckets.signature(name, args, kw)
-                decisions._remember(name, sig, [0], serving, True)
+                served.remember(name, served.signature(name, args, kw), [0], serving, True)
 
             how = "autograd" if grad else "no_grad"
             out.append(
@@ -143,9 +142,9 @@ def _fastest_rows() -> list[Row]:
 def _fastest(grad: bool, plant: Callable[[], None]) -> Iterator[None]:
     """Fastest on with the row's bucket decided, autograd as the row says; then as before."""
     attnguard.configure(kernel="fastest")
-    plant()
     try:
         with torch.set_grad_enabled(grad):
+            plant()
             yield
     finally:
         from attnguard.selection import decisions
