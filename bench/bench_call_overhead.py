@@ -16,7 +16,7 @@ Rows:
   tensors are no CUDA call, so the decision is planted as a decided bucket's would be.
 
 Usage: PYTHONPATH=. python bench/bench_call_overhead.py [--repeats 41] [--number 5000] [--smoke]
-[--only TEXT]
+[--only TEXT] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import functools
 import os
 import platform
 import statistics
+import time
 import timeit
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,7 +46,11 @@ Row = tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any] | None]
 
 
 def _paired_ns(
-    plain: Callable[[], Any], guarded: Callable[[], Any], number: int, repeats: int
+    plain: Callable[[], Any],
+    guarded: Callable[[], Any],
+    number: int,
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[float, float, float]:
     """Median ns per call of each, and the median of the per-round differences.
 
@@ -53,8 +58,8 @@ def _paired_ns(
     """
     base, with_guard, added = [], [], []
     for _ in range(repeats):
-        p = timeit.timeit(plain, number=number) / number * 1e9
-        g = timeit.timeit(guarded, number=number) / number * 1e9
+        p = timeit.timeit(plain, number=number, timer=clock) / number * 1e9
+        g = timeit.timeit(guarded, number=number, timer=clock) / number * 1e9
         base.append(p)
         with_guard.append(g)
         added.append(g - p)
@@ -116,7 +121,7 @@ def _fastest_rows() -> list[Row]:
                 return _noop_flash(*a, **k)
 
             def plant(name: str = name, args: tuple[Any, ...] = args, kw: dict = kw) -> None:
-                served.remember(name, served.signature(name, args, kw), [0], serving, True)
+                served.remember(name, served.signature(name, args, kw), kw, [0], serving, True)
 
             how = "autograd" if grad else "no_grad"
             out.append(
@@ -159,6 +164,12 @@ def main() -> None:
     ap.add_argument("--number", type=int, default=5000)
     ap.add_argument("--smoke", action="store_true", help="CI: every row, a few calls each")
     ap.add_argument("--only", default="", help="the rows whose label holds this text")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this thread's CPU time (on a shared machine, time others take is not counted)",
+    )
     opts = ap.parse_args()
     if opts.smoke:
         opts.repeats, opts.number = 3, 20
@@ -235,7 +246,7 @@ def main() -> None:
     print(
         f"device: CPU ({cpu_name}, {os.cpu_count()} cores), torch {torch.__version__}, "
         f"python {platform.python_version()}, 1 thread; medians over {opts.repeats} alternating "
-        f"rounds of {opts.number} calls each"
+        f"rounds of {opts.number} calls each; clock: {opts.clock}"
     )
     print(f"{'call':68s} {'unguarded ns':>13s} {'guarded ns':>11s} {'added ns':>9s}")
     for label, plain, guarded, context in rows:
@@ -243,7 +254,8 @@ def main() -> None:
             continue
         with context() if context is not None else contextlib.nullcontext():
             plain(), guarded()  # warm up
-            base, with_guard, added = _paired_ns(plain, guarded, opts.number, opts.repeats)
+            clock = time.thread_time if opts.clock == "cpu" else time.perf_counter
+            base, with_guard, added = _paired_ns(plain, guarded, opts.number, opts.repeats, clock)
         print(f"{label:68s} {base:13.0f} {with_guard:11.0f} {added:9.0f}")
         if opts.smoke:
             _smoke.ran(label)

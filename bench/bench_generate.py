@@ -397,7 +397,7 @@ def _host_rows(label: str) -> list[str]:
     use("fastest")
     guarded(*meta, **kw)  # meta tensors are no CUDA call: seed the served bucket by hand
     sig = served.signature("flash_attn_func", tuple(meta), kw)
-    served.remember("flash_attn_func", sig, [0], serving, True)
+    served.remember("flash_attn_func", sig, kw, [0], serving, True)
     results["fastest"] = host_us(lambda: guarded(*meta, **kw), n * 10)
     results["served"] = host_us(lambda: serving(tuple(meta), kw), n * 10)
     decisions.reset()

@@ -196,6 +196,25 @@ def test_a_decided_call_leaves_the_guard_twice(fastest, name, winner):
     ]
 
 
+def test_layers_that_differ_in_their_window_are_each_served_by_signature(fastest):
+    """Alternating layers of one shape (full attention, a sliding window: Gemma, GPT-OSS) are
+    two buckets, each served by its own remembered call, neither pushing the other out."""
+    guarded = fastest.guarded("flash_attn_func")
+    args, kwargs = CALLS["flash_attn_func"]()
+    window = {**kwargs, "window_size": (16, 0)}
+    for _ in range(3):
+        guarded(*args, **kwargs)
+        guarded(*args, **window)
+    assert fastest.raced == 2 and fastest.ran == ["torch_flash"] * 6
+    for kw in (kwargs, window):
+        got = _returns(lambda kw=kw: guarded(*args, **kw))
+        assert [m for m, _, _ in got] == [
+            "attnguard.selection.served",
+            "kernel",
+            "attnguard.callguard",
+        ]
+
+
 def test_a_new_shape_of_a_decided_bucket_is_described_in_one_pass(fastest):
     """A call whose signature is new in a decided bucket (a decode step one key longer) is
     described once: one return from the buckets' module to the decisions', none to the race."""
@@ -230,6 +249,13 @@ def _packed(most_q: Any = 200, most_k: Any = 200, **kw: Any) -> tuple[tuple, dic
     return args, {"max_seqlen_q": most_q, "max_seqlen_k": most_k, "causal": True, **kw}
 
 
+def _cached(capacity: int = 512, grad: bool = False, **kw: Any) -> tuple[tuple, dict[str, Any]]:
+    q = cuda_like(1, 1, 8, 64, grad=grad)
+    cache = cuda_like(1, capacity, 2, 64)
+    seqlens = torch.empty(1, dtype=torch.int32, device="meta")
+    return (q, cache, cache), {"cache_seqlens": seqlens, "causal": True, **kw}
+
+
 def _bucket(name: str, args: tuple, kwargs: dict) -> Any:
     import inspect
 
@@ -251,6 +277,18 @@ VARIANTS = {
         _dense(v=cuda_like(2, 300, 2, 64, dtype=torch.float32)),
         _dense(k=cuda_like(2, 300, 2, 64, gpu=1)),
         _dense(v=cuda_like(2, 300, 2, 64, gpu=1)),
+        _dense(  # all three on another GPU
+            q=cuda_like(2, 100, 8, 64, gpu=1),
+            k=cuda_like(2, 300, 2, 64, gpu=1),
+            v=cuda_like(2, 300, 2, 64, gpu=1),
+        ),
+    ],
+    "flash_attn_with_kvcache": [
+        _cached(),
+        _cached(capacity=4096),
+        _cached(causal=False),
+        _cached(k=cuda_like(1, 1, 2, 64), v=cuda_like(1, 1, 2, 64)),  # new keys appended
+        _cached(grad=True),
     ],
     "flash_attn_varlen_func": [
         _packed(),
@@ -262,23 +300,42 @@ VARIANTS = {
 }
 
 
+def _alike(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """New tensors of the same kind (a decode loop's next layer)."""
+    return tuple(
+        cuda_like(*a.shape, dtype=a.dtype, grad=a.requires_grad, gpu=a.gpu)
+        if isinstance(a, CudaLike)
+        else a
+        for a in args
+    )
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_calls_that_differ_in_what_the_bucket_or_the_check_reads_have_other_signatures(name):
+def test_a_call_is_served_where_it_is_alike_in_every_fact_its_bucket_and_the_check_read(name):
+    """A remembered call serves calls alike in every fact its bucket and the guard's check read
+    (new tensors of the same kind, its keyword arguments in another order), in the mode it was
+    remembered in; each call that differs in one of them is not served from it."""
     from attnguard.selection import served
 
-    calls = VARIANTS[name]
-    sigs = [served.signature(name, args, kwargs) for args, kwargs in calls]
-    assert all(sigs) and len(set(sigs)) == len(sigs)
-    # and calls that differ in nothing either reads share one: new tensors of the same kind
-    for args, kwargs in calls:
-        again = tuple(
-            cuda_like(*a.shape, dtype=a.dtype, grad=a.requires_grad, gpu=a.gpu)
-            if isinstance(a, CudaLike)
-            else a
-            for a in args
-        )
-        assert served.signature(name, again, dict(kwargs)) == served.signature(name, args, kwargs)
-        assert _bucket(name, again, kwargs) == _bucket(name, args, kwargs)
+    (args, kwargs), *others = VARIANTS[name]
+    kernel = object()
+    served.reset()
+    try:
+        served.remember(name, served.signature(name, args, kwargs), kwargs, [0], kernel, True)
+        again = dict(reversed(list(kwargs.items())))
+        if name == "flash_attn_func":  # (the others' signatures hold them as passed)
+            assert served.served(name, _alike(args), again, True) is kernel
+        assert served.served(name, _alike(args), dict(kwargs), True) is kernel
+        assert _bucket(name, args, kwargs) == _bucket(name, _alike(args), again)
+        assert served.served(name, _alike(args), dict(kwargs), False).__class__ is tuple
+        for other, kw in others:
+            assert served.served(name, other, kw, True).__class__ is tuple, kw
+        with torch.no_grad():  # no backward: a call with gradients is one without
+            grad = [(a, kw) for a, kw in others if any(t.requires_grad for t in a[:1])]
+            plain = served.signature(name, args, kwargs)
+            assert all(served.signature(name, a, kw) == plain for a, kw in grad)
+    finally:
+        served.reset()
 
 
 def test_a_packed_call_with_its_longest_length_as_a_tensor_is_served_by_its_value(fastest):
@@ -295,9 +352,11 @@ def test_a_packed_call_with_its_longest_length_as_a_tensor_is_served_by_its_valu
     assert not [e for e in seen if e["event"] == "internal_error"]
 
 
-def test_a_call_with_an_argument_that_cannot_be_hashed_is_served_its_buckets_way(fastest):
+def test_a_call_with_an_argument_that_cannot_be_hashed_is_served(fastest):
+    """A window given as a list (flash_attn_func compares its keyword arguments as a dict): the
+    call is decided once and served, nothing fails."""
     guarded = fastest.guarded("flash_attn_func")
-    args, kwargs = _dense(window_size=[-1, -1])  # a list: no signature
+    args, kwargs = _dense(window_size=[-1, -1])
     with events.capture() as seen:
         for _ in range(3):
             guarded(*args, **kwargs)

@@ -79,18 +79,14 @@ def guard(
         if settings.enabled:
             faster: Any = ask  # a tuple: not served by its signature (ask: not asked yet)
             made = None
-            fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
-            if fastest:
+            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
                 made = _selection[0]
-                if made is None or made[0] is not settings:
+                if made[0] is not settings:
                     made = _select(settings, entry.site)
                 if presigned and not lat:
-                    # a decided bucket, found by signature: a decode loop's every call; inline,
-                    # as below: a decode loop pays for every call layer here (docs/benchmarks.md)
-                    try:
-                        faster = made[3](name, args, kwargs, made[1])
-                    except Exception:
-                        faster = ()
+                    # a decided bucket's call, found by its signature (a decode loop's every
+                    # call): inline, as below, for a decode loop pays for every call layer here
+                    faster = made[3](name, args, kwargs, made[1])  # never raises
             if faster.__class__ is tuple:
                 try:
                     bad = check(args, kwargs)
@@ -136,7 +132,7 @@ def guard(
 
 _ASK = (None,)  # the guard's "not asked yet" (a tuple served() never answers)
 # (settings, apply, Options, served, serve): what the selection needs for the settings in force
-_selection: list[tuple[Any, ...] | None] = [None]
+_selection: list[tuple[Any, ...]] = [(None,)]
 
 
 def _select(settings: Settings, site: str | None = None) -> tuple[Any, ...]:
@@ -168,7 +164,7 @@ def _requested(entry: Entry, args: Any, kwargs: Any, opts: Any, sig: Any) -> Non
 def _selection_options(settings: Settings) -> Any:
     """The selection's options for the settings in force."""
     made = _selection[0]
-    return (made if made is not None and made[0] is settings else _select(settings))[2]
+    return (made if made[0] is settings else _select(settings))[2]
 
 
 def _selection_failed(entry: Entry, exc: Exception) -> None:

@@ -391,7 +391,7 @@ def serve(
         # a call left alone is served as such from now on (not a non-CUDA one: the guard's
         # check tells a CPU call from a meta one, a signature does not)
         if sig and call.skip is not NOT_CUDA:
-            served.remember(entry.name, sig, None, None, opts.apply)
+            served.remember(entry.name, sig, kwargs, None, None, opts.apply)
         return None
     decision = _state.made.get(key)
     if decision is None or (decision.winner != REQUESTED and _state.said.get(key) != opts.apply):
@@ -423,5 +423,5 @@ def serve(
             impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
             _state.impls[(entry.name, decision.winner)] = impl
     if sig and not tracing:
-        served.remember(entry.name, sig, count, impl, opts.apply)
+        served.remember(entry.name, sig, kwargs, count, impl, opts.apply)
     return impl
