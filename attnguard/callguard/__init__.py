@@ -86,7 +86,10 @@ def guard(
                 if presigned and not lat:
                     # a decided bucket's call, found by its signature (a decode loop's every
                     # call): inline, as below, for a decode loop pays for every call layer here
-                    faster = made[3](name, args, kwargs, made[1])  # never raises
+                    try:  # (served() fails open itself; this costs nothing until it raises)
+                        faster = made[3](name, args, kwargs, made[1])
+                    except Exception:
+                        faster = ()
             if faster.__class__ is tuple:
                 try:
                     bad = check(args, kwargs)
