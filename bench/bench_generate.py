@@ -384,7 +384,7 @@ def _host_rows(label: str) -> list[str]:
     )
     guarded = callguard.wrap_direct(entry)
     meta = [torch.empty(*s, dtype=torch.bfloat16, device="meta") for s in SHAPE_DECODE]
-    from attnguard.selection import buckets, decisions
+    from attnguard.selection import decisions, served
 
     def serving(a: Any, k: Any) -> Any:  # a decided bucket's kernel: the stub, one layer down
         return stub(*a, **k)
@@ -396,8 +396,8 @@ def _host_rows(label: str) -> list[str]:
     results["guarded"] = host_us(lambda: guarded(*meta, **kw), n * 10)
     use("fastest")
     guarded(*meta, **kw)  # meta tensors are no CUDA call: seed the served bucket by hand
-    sig = buckets.signature("flash_attn_func", tuple(meta), kw)
-    decisions._remember("flash_attn_func", sig, [0], serving, True)
+    sig = served.signature("flash_attn_func", tuple(meta), kw)
+    served.remember("flash_attn_func", sig, kw, [0], serving, True)
     results["fastest"] = host_us(lambda: guarded(*meta, **kw), n * 10)
     results["served"] = host_us(lambda: serving(tuple(meta), kw), n * 10)
     decisions.reset()

@@ -39,7 +39,6 @@ from ..failopen import make_picklable
 from ..kernels import FLASH_MAX_HEAD_DIM, EntryKind, classify_kernel_error
 from ..observability import events
 from ..selection.buckets import SELECTED_ENTRIES
-from ..selection.buckets import UNSERVED as _UNSERVED
 from .entry import Entry, Tensor, apply_verdict, decide, latch, latched, note, reset_latches
 from .remedy import recover_after_error, remedy_call
 
@@ -73,20 +72,25 @@ def guard(
     presigned = selectable and entry.name == "flash_attn_func"
     name = entry.name
     lat = latched
+    ask = _ASK
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
         settings = in_force.settings
         if settings.enabled:
-            fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
-            faster = _UNSERVED
-            made = _options
-            if fastest and presigned and not lat and made is not None and made[0] is settings:
-                served = _serve[1]
-                try:  # a decided bucket, found by signature: a decode loop's every call
-                    faster = served(name, args, kwargs, made[1].apply) if served else faster
-                except Exception:
-                    faster = _UNSERVED
-            if faster is _UNSERVED:
+            faster: Any = ask  # a tuple: not served by its signature (ask: not asked yet)
+            made = None
+            if selectable and settings.kernel == "fastest":  # opt-in: attnguard.selection
+                made = _selection[0]
+                if made[0] is not settings:
+                    made = _select(settings, entry.site)
+                if presigned and not lat:
+                    # a decided bucket's call, found by its signature (a decode loop's every
+                    # call): inline, as below, for a decode loop pays for every call layer here
+                    try:  # (served() fails open itself; this costs nothing until it raises)
+                        faster = made[3](name, args, kwargs, made[1])
+                    except Exception:
+                        faster = ()
+            if faster.__class__ is tuple:
                 try:
                     bad = check(args, kwargs)
                 except Exception:
@@ -94,17 +98,16 @@ def guard(
                 if bad:
                     site = entry.site_for(args)
                     return _fail_open(site, original, remedy, args, kwargs)
-                faster = None
-                if fastest:
-                    # inline: a decode loop pays for every call layer here (docs/benchmarks.md)
-                    serve = _serve[0]
-                    if serve is not None and made is not None and made[0] is settings:
-                        try:
-                            faster = serve(entry, args, kwargs, made[1])
-                        except Exception as exc:
-                            faster = _selection_failed(entry, exc)
-                    else:
-                        faster = _faster_kernel(entry, settings, args, kwargs)
+                if made is None:
+                    faster = None
+                else:
+                    try:
+                        if faster is ask:
+                            faster = made[3](name, args, kwargs, made[1])
+                        if faster.__class__ is tuple:  # described, decided when new: the selection
+                            faster = made[4](entry, args, kwargs, made[2], faster)
+                    except Exception as exc:
+                        faster = _selection_failed(entry, exc)
             if faster is not None:
                 try:
                     return faster(args, kwargs)
@@ -130,52 +133,53 @@ def guard(
     return make_picklable(guarded, original)
 
 
-def _faster_kernel(
-    entry: Entry, settings: Settings, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """The kernel that serves this call under ATTNGUARD_KERNEL=fastest (None: the requested)."""
-    try:
-        serve = _serve[0]
-        if serve is None:  # imported once: an import statement costs a decode step's budget
-            from ..selection.decisions import serve, served
+_ASK = (None,)  # the guard's "not asked yet" (a tuple served() never answers)
+# (settings, apply, Options, served, serve): what the selection needs for the settings in force
+_selection: list[tuple[Any, ...]] = [(None,)]
 
-            _serve[:] = [serve, served]
-        return serve(entry, args, kwargs, _selection_options(settings))
-    except Exception as exc:
-        return _selection_failed(entry, exc)
+
+def _select(settings: Settings, site: str | None = None) -> tuple[Any, ...]:
+    """What the selection needs of the settings in force, made once per settings object (the
+    selection imported at the first call under fastest: never at start-up)."""
+    try:
+        from .. import __version__
+        from ..selection.decisions import Options, serve
+        from ..selection.served import served
+
+        apply = settings.changes_things
+        opts = Options(apply=apply, version=__version__, cache_dir=settings.kernel_cache)
+        made: tuple[Any, ...] = (settings, apply, opts, served, serve)
+    except Exception as exc:  # attnguard's error, reported once: the requested kernel computes
+        _selection_failed_at(f"{site or 'selection'}.select", exc)
+        made = (settings, False, None, _not_served, _requested)
+    _selection[0] = made
+    return made
+
+
+def _not_served(name: str, args: Any, kwargs: Any, apply: bool) -> tuple[Any, ...]:
+    return ()
+
+
+def _requested(entry: Entry, args: Any, kwargs: Any, opts: Any, sig: Any) -> None:
+    return None
+
+
+def _selection_options(settings: Settings) -> Any:
+    """The selection's options for the settings in force."""
+    made = _selection[0]
+    return (made if made[0] is settings else _select(settings))[2]
 
 
 def _selection_failed(entry: Entry, exc: Exception) -> None:
     """The selection raised: attnguard's error, reported once; the requested kernel computes."""
+    _selection_failed_at(f"{entry.site}.select", exc)
+
+
+def _selection_failed_at(site: str, exc: Exception) -> None:
     if not events.is_compiling():
         from ..failopen import report_internal_error
 
-        report_internal_error(f"{entry.site}.select", exc)
-
-
-_options: tuple[Settings, Any] | None = None  # the settings in force and their Options
-
-
-_serve: list[Any] = [None, None]  # selection.decisions' serve and served, once imported
-
-
-def _selection_options(settings: Settings) -> Any:
-    """What the selection needs of the settings in force (made once per settings object)."""
-    global _options
-    made = _options
-    if made is None or made[0] is not settings:
-        from .. import __version__
-        from ..selection.decisions import Options
-
-        made = _options = (
-            settings,
-            Options(
-                apply=settings.changes_things,
-                version=__version__,
-                cache_dir=settings.kernel_cache,
-            ),
-        )
-    return made[1]
+        report_internal_error(site, exc)
 
 
 def _faster_kernel_failed(

@@ -1,11 +1,15 @@
 """What a flash-attention call is, for the opt-in selection: its bucket, and the candidates that
-may compute it (pure: no tensor value read, no side effect; it runs inside torch.compile traces).
+may compute it (pure: no tensor value read but a packed call's longest lengths, no side effect;
+it runs inside torch.compile traces).
 
-* :func:`bucket` / :func:`describe`: the call's facts, and its *bucket* — the decision's key: the
-  entry point, dtype, head dims, features (causal, window, LSE, gradients) and the shapes rounded
-  up to powers of two. Calls the switch never touches get a reason instead (dropout,
-  ``deterministic=True``, ALiBi, softcap, a paged or indexed KV cache, ...): their numbers could
-  not be compared, or no other kernel computes them.
+* :func:`describe_call`: everything the selection knows of a call, in one pass (a
+  :class:`Call`): its signature (read by :func:`attnguard.selection.served.served`), its bucket
+  or why the switch leaves it alone, its facts and its candidates.
+* :func:`bucket`: the call's *bucket* — the decision's key: the entry point, dtype, head dims,
+  features (causal, window, LSE, gradients) and the shapes rounded up to powers of two. Calls
+  the switch never touches get a reason instead (dropout, ``deterministic=True``, ALiBi,
+  softcap, a paged or indexed KV cache, ...): their numbers could not be compared, or no other
+  kernel computes them.
 * :data:`CANDIDATES`: which kernels may serve a call of each kind, and when; :func:`candidates`:
   the ones for one described call.
 * :data:`TOLERANCE`: how close a candidate's numbers must be to the requested kernel's.
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 REQUESTED = "requested"
-UNSERVED = object()  # decisions.served(): no decision served for this call's signature yet
+NOT_CUDA = "not a CUDA flash-attention call"
 # max |candidate - requested| / max |requested|, outputs and gradients (the dtype's rounding:
 # bf16 keeps 8 bits, fp16 11; accumulated over a softmax row in a different order)
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3}
@@ -82,71 +86,6 @@ def _pow2(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
-def signature(entry: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """What the bucket of a ``flash_attn_func`` or ``flash_attn_with_kvcache`` call depends on,
-    read cheaply (a decode loop asks at every call): the tensors' shapes (these buckets read
-    tensors' shapes and presence only), every other argument as passed, the query's dtype and
-    device kind, whether autograd records and any tensor needs gradients. Equal signatures of
-    one entry have equal buckets. None
-    where there is no cheap signature (another entry: a varlen bucket reads ``max_seqlen``
-    values; ``flash_attn_func`` given its tensors by name or ALiBi slopes). Hashing it raises
-    TypeError for an unhashable argument. A ``flash_attn_func`` signature also holds every fact
-    the call guard checks (the three tensors' dtypes and devices, the head dim in the shape)."""
-    if entry == "flash_attn_func":
-        if len(args) != 3 or "alibi_slopes" in kwargs:
-            return None
-        q, k, v = args
-        grad_enabled = _GRAD_ENABLED[0]
-        if grad_enabled is None:  # looked up once: a decode loop asks at every call
-            grad_enabled = _GRAD_ENABLED[0] = sys.modules["torch"].is_grad_enabled
-        try:  # tensors (the guard has read their dtypes): direct reads, the cheapest; with the
-            # dtypes and devices of all three: what the call guard checks, so a call whose
-            # signature was served once passes the guard's check (callguard)
-            return (
-                q.shape,
-                k.shape,
-                q.dtype,
-                k.dtype,
-                v.dtype,
-                q.get_device(),
-                k.get_device(),
-                v.get_device(),
-                q.is_cuda,
-                grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
-                *kwargs.items(),
-            )
-        except (AttributeError, TypeError):
-            return None
-    if entry != "flash_attn_with_kvcache" or not args:
-        return None
-    tensor = _TENSOR[0]
-    if tensor is None:
-        tensor = _TENSOR[0] = sys.modules["torch"].Tensor
-    grad = False
-    enabled = _grad_enabled()
-    parts: list[Any] = []
-    for a in args:
-        if isinstance(a, tensor):
-            parts.append(a.shape)
-            grad = grad or a.requires_grad
-        else:
-            parts.append(a)
-    for name, a in kwargs.items():
-        parts.append(name)
-        if isinstance(a, tensor):
-            parts.append(a.shape)
-            grad = grad or a.requires_grad
-        else:
-            parts.append(a)
-    q = args[0]
-    parts += (q.dtype, q.is_cuda, enabled and grad)
-    return tuple(parts)
-
-
-_TENSOR: list[Any] = [None]
-_GRAD_ENABLED: list[Any] = [None]  # torch.is_grad_enabled, once torch is imported
-
-
 def _grad_enabled() -> bool:
     """Whether autograd records (a call under no_grad / inference_mode runs no backward: its
     gradients are neither raced nor compared)."""
@@ -188,6 +127,8 @@ class Call:
     plain: bool = False  # dense: full attention or causal with Sq == Sk, no window
     lse: bool = False  # the call returns the softmax LSE
     grad: bool = False  # q, k or v requires grad: gradients are compared and timed too
+    signature: tuple[Any, ...] = ()  # served.served()'s key for calls like this one (empty: none)
+    candidates: tuple[str, ...] = ()  # what may compute it here, the requested kernel first
 
     @property
     def label(self) -> str:
@@ -206,7 +147,7 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     step meets few buckets, and each is raced once."""
     q = call.get("q")
     if entry not in SELECTED_ENTRIES or q is None or not getattr(q, "is_cuda", False):
-        return "not a CUDA flash-attention call"
+        return NOT_CUDA
     dtype = _dtype(q)
     if dtype not in TOLERANCE:
         return f"{dtype} inputs"
@@ -252,26 +193,54 @@ def bucket(entry: str, call: dict[str, Any]) -> tuple[Any, ...] | str:
     return (*common, False, "B", _pow2(b), "Sq", _pow2(sq), "cap", _pow2(cap), "new", new)
 
 
-def describe(entry: str, call: dict[str, Any]) -> Call:
-    """:func:`bucket`, with the facts the race needs spelled out."""
+def describe_call(
+    entry: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    signature: tuple[Any, ...] = (),
+    tracing: bool = False,
+) -> Call:
+    """The call, described once: its ``signature`` (as :func:`~.served.served` read it), its
+    bucket or why the switch leaves it alone, the facts the race needs and its candidates here
+    (none inside a trace, where nothing is decided)."""
+    named = dict(zip(entry.params, args, strict=False))
+    named.update(kwargs)
+    return describe(entry.name, named, signature, tracing)
+
+
+def describe(
+    entry: str, call: dict[str, Any], signature: tuple[Any, ...] = (), tracing: bool = False
+) -> Call:
+    """:func:`describe_call` for a call given as a mapping of the entry's parameter names."""
     key = bucket(entry, call)
     if isinstance(key, str):
-        return Call(entry, skip=key)
-    return Call(entry, key, dtype=key[1], lse=key[7], grad=key[8], plain=key[9])
+        return Call(entry, skip=key, signature=signature)
+    dtype, lse, grad, plain = key[1], key[7], key[8], key[9]
+    found: tuple[str, ...] = ()
+    if not tracing:
+        from ..fallback import torch_flash
+
+        q = call["q"]
+        found = _candidates(entry, plain, lse, torch_flash.can_run(q, q, q))
+    return Call(entry, key, None, dtype, plain, lse, grad, signature, found)
 
 
 def candidates(call: Call, torch_flash_ok: bool) -> list[str]:
     """Candidate names for a described call, the requested kernel first."""
+    return list(_candidates(call.entry, call.plain, call.lse, torch_flash_ok))
+
+
+def _candidates(entry: str, plain: bool, lse: bool, torch_flash_ok: bool) -> tuple[str, ...]:
     out = [REQUESTED]
     for c in CANDIDATES[1:]:
-        if call.entry not in c.entries:
+        if entry not in c.entries:
             continue
         if c.name == "torch_flash" and not torch_flash_ok:
             continue
-        if c.name in SDPA_BACKENDS and (not call.plain or call.lse):  # SDPA returns no LSE
+        if c.name in SDPA_BACKENDS and (not plain or lse):  # SDPA returns no LSE
             continue
         out.append(c.name)
-    return out
+    return tuple(out)
 
 
 def candidate(name: str) -> Candidate:

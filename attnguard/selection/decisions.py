@@ -2,11 +2,14 @@
 said once (``kernel_selected``). Why a call ran on the kernel it ran on is decided here: the rules
 are :func:`why_not`, the order :func:`decide`.
 
-:func:`serve` is called by the call-time guard (:mod:`attnguard.callguard`) for every flash-attn
+:func:`serve` is called by the call-time guard (:mod:`attnguard.callguard`) for a flash-attn
 call the real kernel could compute while ``ATTNGUARD_KERNEL=fastest`` is on, with the settings it
-needs (:class:`Options`). It answers with the candidate that computes the call (None: the
-requested kernel). A bucket's decision is this process's from its first call on; whether it is
-applied is the mode's at each call (fix: applied; warn, strict: said, not applied).
+needs (:class:`Options`), when :func:`attnguard.selection.served.served` has not served the call
+by its signature: it describes the call once (:func:`~.buckets.describe_call`), decides its bucket
+when that is new, remembers the signature for the next calls and answers with the candidate
+that computes the call (None: the requested kernel). A bucket's decision is this process's from
+its first call on; whether it is applied is the mode's at each call (fix: applied; warn, strict:
+said, not applied).
 
 For a bucket seen for the first time, :func:`decide` looks in this order:
 
@@ -33,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..observability import events
-from . import buckets, cache, race
-from .buckets import REQUESTED, Call
+from . import buckets, cache, race, served
+from .buckets import NOT_CUDA, REQUESTED, Call
 from .cache import Decision
 
 # A process's races may take FLOOR_S seconds, plus SHARE of the time its calls of decided
@@ -144,9 +147,6 @@ class _State:
         self.impls: dict[tuple[str, str], Any] = {}
         # decided bucket -> [eager calls served] (a cell: served signatures share it)
         self.calls: dict[tuple[Any, ...], list[int]] = {}
-        # entry -> call signature -> (its bucket's call count, None for a call left alone;
-        # the kernel or None; applied)
-        self.served: dict[str, dict[tuple[Any, ...], tuple[Any, Any, bool]]] = {}
         self.call_ms: dict[tuple[Any, ...], float] = {}  # decided bucket -> ms per call
         self.spent_s = 0.0  # races: probes and timed rounds
         self.warm_up_s = 0.0  # races: warm-ups (said, not counted against the budget)
@@ -161,6 +161,7 @@ def reset() -> None:
     global _state
     _state = _State()
     cache.reset()
+    served.reset()
 
 
 def _after_fork_in_child() -> None:
@@ -178,20 +179,17 @@ if hasattr(os, "register_at_fork"):
 # --- deciding ---------------------------------------------------------------------------------
 
 
-def situation(entry: Any, args: tuple, kwargs: dict, call: Call) -> Situation:
+def situation(call: Call) -> Situation:
     """The facts :func:`why_not` reads, for ``call`` now."""
     import torch
 
-    from ..fallback import torch_flash
-
-    q = call_arg(entry, args, kwargs, "q")
     ranks = events.launch_context()["world_size"]
     try:
         capturing = bool(torch.cuda.is_current_stream_capturing())
     except Exception:
         capturing = False
     return Situation(
-        candidates=tuple(buckets.candidates(call, torch_flash.can_run(q, q, q))),
+        candidates=call.candidates,
         ranks=ranks,
         group=not _state.forked and cache.job_store() is not None,
         one_node=os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(ranks),
@@ -275,7 +273,7 @@ def _posted(raw: Any, call: Call, s: Situation) -> Decision:
 def decide(entry: Any, args: tuple, kwargs: dict, call: Call, opts: Options) -> Decision | None:
     """The decision this rank uses for ``call``'s bucket (the module doc's order, the rules of
     :func:`why_not`); None when it cannot be made now but may be later."""
-    s = situation(entry, args, kwargs, call)
+    s = situation(call)
     if why_not("decide", s) is not None:
         return None
     store = cache.job_store() if s.group else None
@@ -316,16 +314,6 @@ def decide(entry: Any, args: tuple, kwargs: dict, call: Call, opts: Options) -> 
         if (raw if isinstance(raw, bytes) else str(raw).encode()) != mine:
             return _posted(raw, call, s)  # another rank posted first
     return decision
-
-
-def call_arg(entry: Any, args: tuple, kwargs: dict, name: str) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    try:
-        i = entry.params.index(name)
-    except ValueError:
-        return None
-    return args[i] if i < len(args) else None
 
 
 def _say(entry: Any, call: Call, decision: Decision, apply: bool) -> None:
@@ -377,119 +365,63 @@ def _cost(decision: Decision) -> dict[str, float]:
     return out
 
 
-def serve(entry: Any, args: tuple, kwargs: dict, opts: Options) -> Any:
-    """The candidate that computes this call (a callable with the entry's signature), or None
-    for the requested kernel. Fail-open is the caller's (:mod:`attnguard.callguard`).
+def serve(
+    entry: Any, args: tuple, kwargs: dict, opts: Options, sig: tuple[Any, ...] | None = None
+) -> Any:
+    """The candidate that computes this call (a callable taking ``(args, kwargs)``), or None for
+    the requested kernel. ``sig``: what :func:`~.served.served` answered for the call (its
+    signature; ``None``: not asked yet, asked here). Fail-open is the caller's
+    (:mod:`attnguard.callguard`).
 
-    A decided bucket is served from :data:`_State.served`, keyed by the call's
-    :func:`buckets.signature`: a decode loop pays for one tuple and one dict lookup per call,
-    not for the bucket's computation (the budget of "decided bucket costs <= 2 µs over the
-    kernel that serves it", docs/benchmarks.md)."""
-    name = entry.name
-    try:
-        found = served(name, args, kwargs, opts.apply)
-    except TypeError:  # an unhashable argument: the bucket's way
-        found = UNSERVED
-    if found is not UNSERVED:
-        return found
-    sig = None if _is_compiling() else buckets.signature(name, args, kwargs)
-    if sig is not None:
-        try:
-            hash(sig)
-        except TypeError:
-            sig = None
-    named = dict(zip(entry.params, args, strict=False))
-    named.update(kwargs)
-    key = buckets.bucket(entry.name, named)
-    if isinstance(key, str):
-        if sig is not None:
-            _remember(name, sig, None, None, opts.apply)
-        return None  # a call the switch leaves alone
+    The call is described once (:func:`~.buckets.describe_call`: its bucket, or why the switch
+    leaves it alone, and its candidates); a new bucket is decided (:func:`decide`) and said
+    (``kernel_selected``); the signature is remembered, so that the next calls like this one are
+    served by :func:`~.served.served` alone. Inside a torch.compile trace nothing is decided,
+    said, counted or remembered: a decided bucket's kernel goes into the graph, an undecided one
+    keeps the requested kernel."""
+    if sig is None:
+        found = served.served(entry.name, args, kwargs, opts.apply)
+        if found.__class__ is not tuple:
+            return found
+        sig = found
+    tracing = events.is_compiling()
+    call = buckets.describe_call(entry, args, kwargs, sig, tracing)
+    key = call.bucket
+    if call.skip is not None:
+        # a call left alone is served as such from now on (not a non-CUDA one: the guard's
+        # check tells a CPU call from a meta one, a signature does not)
+        if sig and call.skip is not NOT_CUDA:
+            served.remember(entry.name, sig, kwargs, None, None, opts.apply)
+        return None
     decision = _state.made.get(key)
     if decision is None or (decision.winner != REQUESTED and _state.said.get(key) != opts.apply):
-        if events.is_compiling():
+        if tracing:
             return None  # no side effect inside a trace: the first eager call decides
-        call = buckets.describe(entry.name, named)
         with _state.lock:
-            decision = _state.made.get(call.bucket)
+            decision = _state.made.get(key)
             if decision is None:
                 decision = decide(entry, args, kwargs, call, opts)
                 if decision is None:
                     return None
-                _state.call_ms[call.bucket] = decision.call_ms()
-                _state.made[call.bucket] = decision
-            if _state.said.get(call.bucket) != opts.apply:
-                _state.said[call.bucket] = opts.apply
+                _state.call_ms[key] = decision.call_ms()
+                _state.made[key] = decision
+            if _state.said.get(key) != opts.apply:
+                _state.said[key] = opts.apply
                 _say(entry, call, decision, opts.apply)
-    if not events.is_compiling():  # what the budget grows with (a traced graph's calls: not)
+    if tracing:  # what the budget grows with (a traced graph's calls: not)
+        count = None
+    else:
         count = _state.calls.get(key)
         if count is None:
             count = _state.calls[key] = [0]
         count[0] += 1
-    if decision.winner == REQUESTED or not opts.apply:
-        if sig is not None:
-            _remember(name, sig, _state.calls.get(key), None, opts.apply)
-        return None
-    impl = _state.impls.get((entry.name, decision.winner))
-    if impl is None:
-        names = [decision.winner]
-        impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
-        _state.impls[(entry.name, decision.winner)] = impl
-    if sig is not None:
-        _remember(name, sig, _state.calls.get(key), impl, opts.apply)
+    impl = None
+    if decision.winner != REQUESTED and opts.apply:
+        impl = _state.impls.get((entry.name, decision.winner))
+        if impl is None:
+            names = [decision.winner]
+            impl = race.implementations(entry.name, entry.original, entry.params, names)[names[0]]
+            _state.impls[(entry.name, decision.winner)] = impl
+    if sig and not tracing:
+        served.remember(entry.name, sig, kwargs, count, impl, opts.apply)
     return impl
-
-
-_SERVED_MAX = 4096
-UNSERVED = buckets.UNSERVED
-
-
-def served(name: str, args: tuple, kwargs: dict, apply: bool) -> Any:
-    """The kernel a decided bucket serves this call with (None: the requested kernel), found by
-    the call's :func:`buckets.signature` alone; :data:`UNSERVED` where that signature has not
-    been served yet (or the mode changed since, or inside a trace): :func:`serve` decides.
-    Raises TypeError for an unhashable argument."""
-    table = _state.served.get(name)
-    # (torch's is_compiling, bound when the table was made: a decode loop asks at every call)
-    if table is None or _COMPILING[0]():
-        return UNSERVED
-    sig = buckets.signature(name, args, kwargs)
-    hit = table.get(sig) if sig is not None else None
-    if hit is None or hit[2] is not apply:
-        return UNSERVED
-    if hit[0] is not None:
-        hit[0][0] += 1  # the bucket's call count (a shared cell: no tuple hashed here)
-    return hit[1]
-
-
-def _is_compiling() -> bool:
-    """Whether a torch.compile trace is running."""
-    return bool(_compiling_check()())
-
-
-def _compiling_check() -> Any:
-    """torch.compiler.is_compiling itself, looked up once (a trace sees its call; a decode loop
-    asks at every call), or events.is_compiling where torch's cannot be had."""
-    fn = _COMPILING[0]
-    if fn is None:
-        try:
-            import torch
-
-            fn = torch.compiler.is_compiling
-        except Exception:
-            fn = events.is_compiling
-        _COMPILING[0] = fn
-    return fn
-
-
-_COMPILING: list[Any] = [None]
-
-
-def _remember(name: str, sig: tuple, count: list[int] | None, impl: Any, apply: bool) -> None:
-    """Serve later calls of this signature straight away (bounded: a job whose shapes never
-    repeat starts over rather than grow)."""
-    _compiling_check()  # bound before the first table: served() calls it with the table
-    table = _state.served.get(name)
-    if table is None or len(table) >= _SERVED_MAX:
-        table = _state.served[name] = {}
-    table[sig] = (count, impl, apply)
