@@ -45,7 +45,7 @@ from ..launch import IDENTITY_VARS, launch_context, launch_identity
 from . import logfile
 from .reasons import known as known_reason
 from .sinks import LEVELNO as _LEVELNO
-from .sinks import StreamSink, render_console, render_json, stdlib_logger
+from .sinks import StreamSink, link_fallbacks, render_console, render_json, stdlib_logger
 from .sinks import to_stdlib as _to_stdlib
 
 __all__ = [
@@ -313,6 +313,7 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
                 settings.threshold_for(sink.target),
                 settings.console_ranks,
             )
+    link_fallbacks(new, settings.format_for("stderr"))
     _state.settings = settings
     _state.streams = tuple(new)
     for sink in old.values():

@@ -233,21 +233,40 @@ def _wait_for_room(fd: int, seconds: float) -> None:
 
 
 def write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` whole to the log's descriptor; a non-blocking FIFO or device that takes
-    nothing for :data:`WRITE_WAIT_S` raises TimeoutError (the sink then gives the file up)."""
+    """Write ``data`` (one line) whole to the log's descriptor; a non-blocking FIFO or device
+    that takes nothing for :data:`WRITE_WAIT_S` raises TimeoutError (the sink then gives the file
+    up). A regular file keeps whole lines only: where a write error (a full disk, a file-size
+    limit) cuts the line short, the part written is taken back before the error is raised."""
     view = memoryview(data)
     deadline = None
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:
-            n = 0
-        if n:
-            view = view[n:]
-            continue
-        now = time.monotonic()
-        if deadline is None:
-            deadline = now + WRITE_WAIT_S
-        if now >= deadline:
-            raise TimeoutError(errno.ETIMEDOUT, f"no room in the log for {WRITE_WAIT_S:g} s")
-        _wait_for_room(fd, deadline - now)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                n = 0
+            if n:
+                view = view[n:]
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + WRITE_WAIT_S
+            if now >= deadline:
+                raise TimeoutError(errno.ETIMEDOUT, f"no room in the log for {WRITE_WAIT_S:g} s")
+            _wait_for_room(fd, deadline - now)
+    except OSError:
+        if 0 < len(view) < len(data):
+            _take_back(fd, len(data) - len(view))
+        raise
+
+
+def _take_back(fd: int, written: int) -> None:
+    """Cut the last ``written`` bytes (a line the disk took only part of) off a regular file,
+    where they are still its end (nothing appended after them)."""
+    try:
+        st = os.fstat(fd)
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        if stat.S_ISREG(st.st_mode) and st.st_size == end and end >= written:
+            os.ftruncate(fd, end - written)
+    except OSError:
+        pass
