@@ -71,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_sum.add_argument("files", nargs="+", help="JSON-lines files written with ATTNGUARD_LOG")
     p_sum.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    # what is printed may hold any name (a file's, a directory's under the caches doctor reads,
+    # a summary file's text): never a codec error on the way out, whatever the stream's encoding
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         if args.command == "run":
             return _run(args.cmd)
@@ -81,10 +86,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from .observability.eventfiles import summarise_files
 
-        # text from the files may hold anything: never a codec error on the way out
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
         result = summarise_files(args.files, as_json=args.json)  # none readable: ValueError
         print(result.text)
         return 0 if result.usable else 1
