@@ -211,6 +211,8 @@ def test_kv_heads_that_do_not_divide_meet_flash_attns_own_error(cpu_flash):
     assert message == "Number of heads in key/value must divide number of heads in query"
     # the same mistake in float32 (which the guard would otherwise carry) and mixed dtypes
     _same_as_unguarded(cpu_flash, q.float(), kv, kv.float())
+    # no tensor where one belongs: the kernel's own AttributeError, not attnguard's
+    assert _same_as_unguarded(cpu_flash, q, None, kv)[0] is AttributeError
 
 
 @pytest.mark.parametrize(

@@ -38,15 +38,11 @@ _REGISTRY = (EntryKind.REGISTRY_FLASH, EntryKind.REGISTRY_SDPA)
 
 
 def as_made(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why this call must run as made (a short phrase), or None: the remedies may act.
-    Never raises: an argument it cannot read is left to the remedy path (fail-open)."""
-    try:
-        why = _dtype_refusal(entry, args, kwargs)
-        if why is None:
-            why = _shape_refusal(entry, args, kwargs)
-        return why
-    except Exception:
-        return None
+    """Why this call must run as made (a short phrase), or None: the remedies may act. Plain
+    reads of shapes and dtypes, traced as they are under torch.compile (no ``try``: where one
+    fails on an odd argument, fail-open reports it and the original call runs)."""
+    why = _dtype_refusal(entry, args, kwargs)
+    return why if why is not None else _shape_refusal(entry, args, kwargs)
 
 
 def _get(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -62,20 +58,20 @@ def _position(params: tuple[str, ...], name: str) -> int | None:
     return params.index(name) if name in params else None
 
 
-def _tensors(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The tensors whose dtypes a kernel reads: q/k/v (packed included); the caches and the new
-    k/v of ``flash_attn_with_kvcache``."""
-    names = entry.tensors
-    if entry.kind == EntryKind.FLASH_KERNEL and entry.name == "flash_attn_with_kvcache":
-        names = ("q", "k_cache", "v_cache", "k", "v")
-    return [_get(entry, args, kwargs, n) for n in names]
+_KVCACHE = ("q", "k_cache", "v_cache")
 
 
 def _dtype_refusal(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    ts = _tensors(entry, args, kwargs)
+    """The tensors whose dtypes a kernel reads: q/k/v (packed included); the caches and the new
+    k/v of ``flash_attn_with_kvcache``. One that is no tensor at all: the kernel's to refuse."""
+    kvcache = entry.kind == EntryKind.FLASH_KERNEL and entry.name == "flash_attn_with_kvcache"
+    names = _KVCACHE if kvcache else entry.tensors
+    ts = [_get(entry, args, kwargs, n) for n in names]
+    if not all(isinstance(t, Tensor) for t in ts):
+        return "q/k/v are not all tensors"
+    if kvcache:
+        ts += [t for t in (_get(entry, args, kwargs, n) for n in ("k", "v")) if t is not None]
     dts = [t.dtype for t in ts if isinstance(t, Tensor)]
-    if not dts:
-        return None
     if entry.kind == EntryKind.XFORMERS and len(dts) == 3 and dts[1] is dts[2] is _INT32:
         # xformers' quantized key/value (packed int4 with scales): its own kernel computes
         # them, untouched; no cast and no twin can
