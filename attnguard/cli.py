@@ -26,15 +26,19 @@ def _run(cmd: Sequence[str]) -> int:
             "attnguard run: give a command, e.g. attnguard run -- python train.py", file=sys.stderr
         )
         return 2
-    from .config import load
-    from .observability.events import probe_log_files
+    from .config import check
     from .runtime import PARENT_VAR
 
-    # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child: the settings,
-    # and the log file opened as the command will open it (this process's pid is the
-    # command's: it is exec'd).
-    probe_log_files(load())
-    env = dict(os.environ, ATTNGUARD="1")
+    # A bad value of a setting that chooses what the guard does is a usage error, said here
+    # before anything ran (exit 2), as for a bad option. One that only says where events go
+    # (ATTNGUARD_LOG and its kin, the kernel cache) is no reason to refuse: the command's guard
+    # says it once and uses its substitute (README "Configuration").
+    env = dict(os.environ, ATTNGUARD="1")  # this command's own switch
+    usage = [p for p in check(env) if p.usage]
+    if usage:
+        for problem in usage:
+            print(problem.error, file=sys.stderr)
+        return 2
     env.pop(PARENT_VAR, None)  # the command is a program of its own, never a guarded helper
     exe = shutil.which(cmd[0], path=env.get("PATH"))
     if exe is None:
