@@ -3,7 +3,7 @@
 ``ATTNGUARD=1`` is set once for a whole environment, so the start-up hook runs in every Python
 there: pip, shells' tools, tokenizer and DataLoader workers, launchers. In the hook nothing of the
 guard is imported until the program imports a library attnguard patches: the hook checks the
-ATTNGUARD_* values (a bad one is said at start-up, and the process runs unguarded), decides
+ATTNGUARD_* values (a bad one is said at start-up, with the substitute used instead), decides
 whether the process is a helper of a guarded parent (:mod:`attnguard.launch`) and asks
 :mod:`attnguard.importhooks` to call it back when transformers, flash_attn or xformers is first
 imported. That import (or a call of attnguard's API) activates attnguard then, in the library's
@@ -112,8 +112,9 @@ def activate_from_env() -> None:
     """Activate with ATTNGUARD_* settings, at ``import attnguard`` or in the start-up hook.
 
     A bad value (a variable set for a whole cluster must never stop the jobs there) is one line
-    on stderr naming the variable, the value and the valid values, and the program runs
-    unguarded; so is any other failure to activate. In the hook the settings are checked now and
+    on stderr naming the variable, the value, the valid values and what is done instead (its
+    least harmful substitute: :func:`attnguard.config.read`); any other failure to activate is
+    one line and the program runs unguarded. In the hook the settings are checked now and
     activation waits for a library to guard (:func:`_arm`).
     """
     if _is_cli_process():
@@ -124,12 +125,12 @@ def activate_from_env() -> None:
         _say_unknown_variables()
         _activate_reporting()
         return
-    try:
-        config.check()
-    except ValueError as exc:
-        config.say(f"{exc} ({config.OFF})")
-        return
+    problems = config.check()
+    for problem in problems:
+        config.say(problem.line)  # each with what is done instead (README "Configuration")
     _say_unknown_variables()
+    if any(problem.var == "ATTNGUARD" for problem in problems):
+        return  # the switch itself unread: attnguard stays out
     _arm()
 
 

@@ -26,15 +26,19 @@ def _run(cmd: Sequence[str]) -> int:
             "attnguard run: give a command, e.g. attnguard run -- python train.py", file=sys.stderr
         )
         return 2
-    from .config import load
-    from .observability.events import probe_log_files
+    from .config import check
     from .runtime import PARENT_VAR
 
-    # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child: the settings,
-    # and the log file opened as the command will open it (this process's pid is the
-    # command's: it is exec'd).
-    probe_log_files(load())
-    env = dict(os.environ, ATTNGUARD="1")
+    # A bad value of a setting that chooses what the guard does is a usage error, said here
+    # before anything ran (exit 2), as for a bad option. One that only says where events go
+    # (ATTNGUARD_LOG and its kin, the kernel cache) is no reason to refuse: the command's guard
+    # says it once and uses its substitute (README "Configuration").
+    env = dict(os.environ, ATTNGUARD="1")  # this command's own switch
+    usage = [p for p in check(env) if p.usage]
+    if usage:
+        for problem in usage:
+            print(problem.error, file=sys.stderr)
+        return 2
     env.pop(PARENT_VAR, None)  # the command is a program of its own, never a guarded helper
     exe = shutil.which(cmd[0], path=env.get("PATH"))
     if exe is None:
@@ -71,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_sum.add_argument("files", nargs="+", help="JSON-lines files written with ATTNGUARD_LOG")
     p_sum.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    # what is printed may hold any name (a file's, a directory's under the caches doctor reads,
+    # a summary file's text): never a codec error on the way out, whatever the stream's encoding
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         if args.command == "run":
             return _run(args.cmd)
@@ -81,10 +90,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         from .observability.eventfiles import summarise_files
 
-        # text from the files may hold anything: never a codec error on the way out
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
         result = summarise_files(args.files, as_json=args.json)  # none readable: ValueError
         print(result.text)
         return 0 if result.usable else 1

@@ -1,10 +1,11 @@
 """Settings: the one place that reads ATTNGUARD_* variables and validates them.
 
 Every other module receives a :class:`Settings` (:mod:`attnguard._settings`, re-exported here);
-none reads the environment itself. An invalid value raises ``ValueError`` naming the variable,
-the value and the valid values (:class:`EnvironmentSettingError` when it comes from the
-environment: activation then says it in one line and runs unguarded); a variable that is no
-setting (a misspelling) gets one line.
+none reads the environment itself. An invalid argument raises ``ValueError`` naming the setting,
+the value and the valid values. An invalid value in the environment never stops a program:
+activation reads it with :func:`read`, which takes the least harmful substitute for it
+(:func:`_instead`) and returns one line per bad value that says it and what is done instead; a
+variable that is no setting (a misspelling) gets one line.
 
 Light on purpose: the start-up hook checks the raw values with :func:`check` in every guarded
 process, long before (and often instead of) anything else of attnguard, so this module imports
@@ -206,6 +207,10 @@ def _widest(spec: str, limit: int) -> str | None:
     return None
 
 
+# words that name a stream, not a file: ATTNGUARD_LOG=stdout would otherwise write ./stdout
+_STREAM_WORDS = ("stdout", "-", "console")
+
+
 def _validate_log(var: str, value: str, environ: Mapping[str, str]) -> str:
     v = value.strip()
     if v.lower() in ("stderr", "none"):
@@ -221,6 +226,11 @@ def _validate_log(var: str, value: str, environ: Mapping[str, str]) -> str:
             raise ValueError(
                 f"attnguard: invalid {var}={shown(value)} (none cannot be combined with other "
                 f"targets); valid values: {LOG_TARGETS_HELP}"
+            )
+        elif t.lower() in _STREAM_WORDS:  # a stream meant, not a file named so in the cwd
+            raise ValueError(
+                f"attnguard: invalid {var}={shown(value)} ({shown(t)} is no target: events go "
+                f"to stderr or a file); valid values: {LOG_TARGETS_HELP}"
             )
         else:
             why = _log_problem(t, environ)
@@ -327,29 +337,125 @@ def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> An
 def load(
     environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Settings:
-    """Build Settings from ATTNGUARD_* variables, then keyword overrides (field names).
+    """Build Settings from ATTNGUARD_* variables, then keyword overrides (field names); a bad
+    value raises ValueError (:class:`EnvironmentSettingError` for a variable's). Activation
+    reads the environment with :func:`read` instead, which never raises for a variable.
 
     ``import attnguard`` means "guard this program", so a missing ATTNGUARD counts as on here;
     the start-up hook only imports attnguard when ATTNGUARD is on.
     """
     from ._settings import Settings
 
-    return Settings(**_values(os.environ if environ is None else environ, overrides))
+    return Settings(**_values(os.environ if environ is None else environ, overrides, None))
 
 
-def check(environ: Mapping[str, str] | None = None) -> None:
-    """Validate the ATTNGUARD_* variables as :func:`load` does (the same ValueError), without
-    building Settings: what the start-up hook runs in every guarded process."""
-    _values(os.environ if environ is None else environ, None)
+def read(
+    environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> tuple[Settings, list[Problem]]:
+    """Settings as :func:`load` builds them, where a bad ATTNGUARD_* value takes its least
+    harmful substitute (README "Configuration": :func:`_instead`) and is one :class:`Problem`;
+    a bad keyword override still raises ValueError (the caller's own argument)."""
+    from ._settings import Settings
+
+    problems: list[Problem] = []
+    values = _values(os.environ if environ is None else environ, overrides, problems)
+    return Settings(**values), problems
+
+
+def check(environ: Mapping[str, str] | None = None) -> list[Problem]:
+    """The bad ATTNGUARD_* values as :func:`read` finds them, without building Settings: what
+    the start-up hook runs in every guarded process."""
+    problems: list[Problem] = []
+    _values(os.environ if environ is None else environ, None, problems)
+    return problems
 
 
 class EnvironmentSettingError(ValueError):
-    """A bad ATTNGUARD_* value in the environment (not in the caller's arguments): set for a
-    whole cluster, it must never stop a program, so activation says it and runs unguarded."""
+    """A bad ATTNGUARD_* value in the environment (not in the caller's arguments), as
+    :func:`load` raises it. Set for a whole cluster, it must never stop a program: activation
+    reads the environment with :func:`read`, which takes a substitute instead."""
 
 
-def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+class Problem:
+    """A bad ATTNGUARD_* value: ``var``, the ``error`` (the variable, the value, the valid
+    values), ``instead`` (what is done instead), and ``usage``: a setting that chooses what the
+    guard does (``attnguard run`` refuses to start its command with it: a usage error, said
+    before anything ran)."""
+
+    __slots__ = ("var", "error", "instead", "usage")
+
+    def __init__(self, var: str, error: str, instead: str, usage: bool) -> None:
+        self.var, self.error, self.instead, self.usage = var, error, instead, usage
+
+    @property
+    def line(self) -> str:
+        """The one line on stderr: the error, then what is done instead."""
+        return f"{self.error} ({self.instead})"
+
+    def __repr__(self) -> str:
+        return f"Problem({self.var!r}, {self.line!r})"
+
+
+# Settings that only say where and how events are written, or where a cache lives: a bad value
+# never changes what the guard does (attnguard run starts its command with the substitute).
+_OUTPUT = ("log", "log_format", "log_level", "console_ranks", "kernel_cache")
+# The defaults a bad value falls back to, as the line says them (Settings' own defaults:
+# tests/test_bad_log_setting.py checks they agree).
+DEFAULTS = {
+    "log_format": "auto",
+    "log_level": "auto",
+    "console_ranks": "all",
+    "dtype": "auto",
+    "fallback": "sdpa,eager",
+    "fp32_policy": "cast",
+    "kernel": "requested",
+    "kernel_cache": "",
+}
+_WARN = "attnguard runs in warn mode: it says what it would change and changes nothing"
+
+
+def _instead(fld: str, raw: str) -> tuple[dict[str, Any], str]:
+    """The least harmful substitute for a bad value of ``fld``: the values used instead (none:
+    the setting's default) and what the line says about it.
+
+    * the switch (ATTNGUARD): off. It is the choice to guard at all; unread, attnguard stays out
+      and the program runs as without it.
+    * ATTNGUARD_MODE: warn. The value may have meant warn, strict or off as well as fix: warn
+      changes nothing any of them would not have, and still says everything.
+    * ATTNGUARD_DISABLE: the names it does read are disabled, in warn mode: a name it cannot
+      read may be a remedy or a library you wanted left alone, so nothing is changed.
+    * ATTNGUARD_LOG: stderr. A logging typo must not cost the guard.
+    * ATTNGUARD_FALLBACK: the backends it does name, else the default.
+    * any other setting (output format and level, console ranks, dtype, fp32 policy, kernel
+      selection, its cache): the setting's default; ATTNGUARD_KERNEL's keeps the opt-in off.
+    """
+    if fld == "enabled":
+        return {"enabled": False}, OFF
+    if fld == "mode":
+        return {"mode": "warn"}, _WARN
+    if fld == "disable":
+        valid = REMEDIES + INTEGRATIONS
+        names = [n.strip().lower() for n in raw.split(",") if n.strip().lower() in valid]
+        said = f"{', '.join(names)} disabled; " if names else ""
+        return {"disable": frozenset(names), "mode": "warn"}, said + _WARN
+    if fld == "log":
+        return {"log": "stderr"}, "events go to stderr instead"
+    if fld == "fallback":
+        names = [
+            n.strip().lower() for n in raw.split(",") if n.strip().lower() in FALLBACK_BACKENDS
+        ]
+        if names:
+            return {"fallback": tuple(dict.fromkeys(names))}, f"{','.join(names)} is used"
+    if fld == "kernel_cache":
+        return {}, "the default directory, $XDG_CACHE_HOME/attnguard/kernels, is used"
+    return {}, f"{_VAR_OF[fld]}={DEFAULTS[fld]} is used"
+
+
+def _values(
+    env: Mapping[str, str], overrides: Mapping[str, Any] | None, problems: list[Problem] | None
+) -> dict[str, Any]:
     values: dict[str, Any] = {}
+    forced: dict[str, Any] = {}  # substitutes that touch another setting (warn mode)
     for var, fld in _ENV.items():
         raw = env.get(var)
         if fld in (overrides or {}):
@@ -358,7 +464,17 @@ def _values(env: Mapping[str, str], overrides: Mapping[str, Any] | None) -> dict
             try:
                 values[fld] = _parse(fld, raw, env)
             except ValueError as exc:
-                raise EnvironmentSettingError(str(exc)) from None
+                if problems is None:
+                    raise EnvironmentSettingError(str(exc)) from None
+                used, what = _instead(fld, raw)
+                for key, value in used.items():
+                    (values if key == fld else forced)[key] = value
+                problems.append(Problem(var, str(exc), what, fld not in _OUTPUT))
+    if problems and values.get("enabled") is False and any(p.var == "ATTNGUARD" for p in problems):
+        problems[:] = [p for p in problems if p.var == "ATTNGUARD"]  # off: the rest is moot
+    for key, value in forced.items():
+        if key not in (overrides or {}) and values.get(key) != "off":
+            values[key] = value  # the caller's explicit mode stands; so does off
     for key, value in (overrides or {}).items():
         if key not in _VAR_OF:
             raise ValueError(

@@ -13,7 +13,7 @@ from typing import Any
 from . import facts as facts_mod
 from . import runtime
 from .computing import NOW
-from .config import Settings, load
+from .config import Settings, read
 from .integrations.transformers import flash_path as transformers_kernels
 from .kernels import QUESTIONS, RULES
 from .observability.eventfiles import printable
@@ -23,7 +23,7 @@ from .plan import TABLE, Plan, flash_fp32_request, plan_load
 def _settings() -> Settings:
     current = runtime.settings()
     # doctor plans with the ATTNGUARD_* settings a guarded run would use, even when off here
-    return current if current.enabled else load()
+    return current if current.enabled else read()[0]  # a bad value: what a run would use
 
 
 def guard_state() -> dict[str, Any]:
@@ -46,7 +46,7 @@ def guard_state() -> dict[str, Any]:
     return {
         "startup_hook_installed": installed,
         "startup_hook_on": installed and switched_on(os.environ.get("ATTNGUARD", "")),
-        "active_when_imported": load().enabled,
+        "active_when_imported": read()[0].enabled,
     }
 
 

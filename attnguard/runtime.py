@@ -8,6 +8,7 @@ was activated first. Hooks cannot be unregistered; after :func:`deactivate` they
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import sys
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import config, launch
 from ._settings import InForce
-from .config import EnvironmentSettingError, Settings, load
+from .config import Settings, read
 from .observability import events, workload
 
 if TYPE_CHECKING:
@@ -240,13 +241,6 @@ def _unpatch_unswitchable() -> None:
         _unpatch(name, part)
 
 
-def _refuse_environment(exc: ValueError) -> Settings:
-    """A bad ATTNGUARD_* value from the environment: one line on stderr (once per value), the
-    settings in force stay as they were (off, unless active already)."""
-    config.say(f"{exc} ({'the settings in force stay' if _active else config.OFF})")
-    return IN_FORCE.settings
-
-
 def activate(**overrides: Any) -> Settings:
     """Switch the guard on with ATTNGUARD_* settings plus ``overrides``; idempotent.
 
@@ -255,7 +249,8 @@ def activate(**overrides: Any) -> Settings:
     they were. An explicit argument stands over its ATTNGUARD_* variable, which is then not
     read. A bad ATTNGUARD_* value (or an ATTNGUARD_LOG file that cannot be written) never
     raises: a variable set for a whole cluster must not stop the programs there. It is one line
-    on stderr, and the settings in force stay as they were (off, unless active already).
+    on stderr, and its least harmful substitute is used (:func:`attnguard.config.read`: a log
+    file that cannot be written becomes stderr, the guard stays on).
 
     A change of settings while active is atomic for running code: patches read the settings
     at every call, so only integrations whose permission changes are patched or unpatched (a
@@ -263,10 +258,9 @@ def activate(**overrides: Any) -> Settings:
     streams are swapped in one step each.
     """
     global _active, _overrides
-    try:
-        new = load(overrides=overrides)
-    except EnvironmentSettingError as exc:
-        return _refuse_environment(exc)
+    new, problems = read(overrides=overrides)
+    for problem in problems:
+        config.say(problem.line)
     with _lock:
         if _active and new == IN_FORCE.settings:
             _overrides = dict(overrides)
@@ -286,7 +280,10 @@ def activate(**overrides: Any) -> Settings:
         except ValueError as exc:
             if "log" in overrides:
                 raise
-            return _refuse_environment(exc)  # ATTNGUARD_LOG's file cannot be written
+            # ATTNGUARD_LOG's file cannot be written: the guard stays on, its events on stderr
+            config.say(f"{exc} (events go to stderr instead)")
+            new = dataclasses.replace(new, log="stderr")
+            events.configure_sinks(new)
         events.set_helper(helper)
         if not helper:
             launch.mark_process()  # the children it starts from now on are its helpers

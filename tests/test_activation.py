@@ -54,16 +54,16 @@ def test_import_activates_in_a_fresh_process() -> None:
     assert out.stdout.split() == ["False", "off"]
 
 
-def test_import_with_an_invalid_setting_is_one_clear_line_and_runs_unguarded() -> None:
+def test_import_with_an_invalid_setting_is_one_clear_line_and_uses_the_default() -> None:
     """A bad value set for a whole environment never stops the program (tests/test_bad_settings.py
-    has every entry)."""
+    has every entry, tests/test_bad_log_setting.py every substitute)."""
     env = subprocess_env(ATTNGUARD_DTYPE="fp64")
-    code = "import attnguard; print(attnguard.is_active())"
+    code = "import attnguard; print(attnguard.is_active(), attnguard.settings().dtype)"
     res = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and res.stdout == "False\n"
+    assert res.returncode == 0 and res.stdout == "True auto\n"
     assert res.stderr.splitlines() == [
         "attnguard: invalid ATTNGUARD_DTYPE='fp64'; valid values: auto | bf16 | fp16 "
-        "(attnguard is off for this process)"
+        "(ATTNGUARD_DTYPE=auto is used)"
     ]
 
 
@@ -207,10 +207,10 @@ def test_installed_hook_patches_transformers_on_import(venv: Path) -> None:
     assert res.stdout.strip() == "['transformers']", res.stderr
 
 
-def test_installed_hook_with_an_invalid_setting_runs_the_program_unguarded(venv: Path) -> None:
-    code = "import attnguard; print('ran', attnguard.is_active())"
+def test_installed_hook_with_an_invalid_setting_runs_the_program_in_warn_mode(venv: Path) -> None:
+    code = "import attnguard; print('ran', attnguard.is_active(), attnguard.settings().mode)"
     res = _py(venv, code, ATTNGUARD="1", ATTNGUARD_MODE="loud")
-    assert res.returncode == 0 and res.stdout.strip() == "ran False"
+    assert res.returncode == 0 and res.stdout.strip() == "ran True warn"
     assert (
         res.stderr.count("invalid ATTNGUARD_MODE='loud'; valid values: fix | warn | strict | off")
         == 1

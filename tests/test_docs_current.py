@@ -108,7 +108,8 @@ def test_a_log_path_gets_its_missing_directories_as_readme_says(tmp_path: Path) 
     res = _python(_EMIT, ATTNGUARD_LOG=str(path))
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert (tmp_path / "not" / "yet" / "there" / "events-0.jsonl").read_text().count("\n") >= 2
-    # a path that cannot be created (its "directory" is a file): one line at start, unguarded
+    # a path that cannot be created (its "directory" is a file): one line at start, events on
+    # stderr
     (tmp_path / "a-file").write_text("")
     res = _python(_EMIT, ATTNGUARD_LOG=str(tmp_path / "a-file" / "events.jsonl"))
     assert res.returncode == 0 and "invalid ATTNGUARD_LOG" in res.stderr

@@ -606,14 +606,15 @@ def _attnguard_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[st
     )
 
 
-def test_run_refuses_a_log_path_the_child_could_not_open(tmp_path: Path) -> None:
-    """/sys: the directory looks writable to root, yet no file can be created there. ``attnguard
-    run`` opens the path as the guarded command would, so it refuses before starting it."""
+def test_run_starts_the_command_guarded_with_a_log_path_it_could_not_open(tmp_path: Path) -> None:
+    """/sys: the directory looks writable to root, yet no file can be created there. The
+    command runs, guarded, its events on stderr, and its guard says the path once."""
     if not os.path.isdir("/sys/kernel"):
         pytest.skip("no /sys here")
     res = _attnguard_run(tmp_path, ATTNGUARD_LOG="/sys/kernel/ag-{rank}.jsonl")
-    assert res.returncode == 2 and not (tmp_path / "command-ran").exists()
+    assert res.returncode == 0 and (tmp_path / "command-ran").exists(), res.stderr
     assert res.stderr.startswith("attnguard: invalid ATTNGUARD_LOG='/sys/kernel/ag-{rank}.jsonl'")
+    assert res.stderr.count("invalid ATTNGUARD_LOG") == 1
     # and a good path starts the command, leaving no file of its own behind
     res = _attnguard_run(tmp_path, ATTNGUARD_LOG=str(tmp_path / "ev-{pid}.jsonl"))
     assert res.returncode == 0 and (tmp_path / "command-ran").exists(), res.stderr
@@ -622,7 +623,7 @@ def test_run_refuses_a_log_path_the_child_could_not_open(tmp_path: Path) -> None
 def test_a_huge_value_is_named_and_cut_not_echoed(tmp_path: Path) -> None:
     huge = str(tmp_path / ("x" * 120_000))
     res = _attnguard_run(tmp_path, ATTNGUARD_LOG=huge)
-    assert res.returncode == 2 and not (tmp_path / "command-ran").exists()
+    assert res.returncode == 0 and (tmp_path / "command-ran").exists()  # events on stderr
     assert res.stderr.startswith("attnguard: invalid ATTNGUARD_LOG=")
     assert f"({len(huge)} characters)" in res.stderr and len(res.stderr) < 2000
     with pytest.raises(ValueError) as err:

@@ -43,13 +43,14 @@ def test_the_switch_is_off_by_default_and_validated(monkeypatch, capsys):
         attnguard.activate(log="none", kernel="quickest")  # the caller's own argument
     text = str(err.value)
     assert "ATTNGUARD_KERNEL" in text and "'quickest'" in text and "requested | fastest" in text
-    # from the environment: one line, and the guard stays off
+    # from the environment: one line, and the guard runs with the opt-in off
     attnguard.deactivate()
     capsys.readouterr()
     monkeypatch.setenv("ATTNGUARD_KERNEL", "quickest")
-    assert not attnguard.activate(log="none").enabled and not attnguard.is_active()
+    assert attnguard.activate(log="none").kernel == "requested" and attnguard.is_active()
     (line,) = capsys.readouterr().err.splitlines()
     assert "ATTNGUARD_KERNEL='quickest'" in line and "requested | fastest" in line
+    assert line.endswith("(ATTNGUARD_KERNEL=requested is used)")
 
 
 # --- no GPU: nothing changes --------------------------------------------------------------------

@@ -141,7 +141,8 @@ def test_a_reader_that_comes_later_gets_every_line_in_order(tmp_path: Path) -> N
 
 def test_a_reader_that_stops_reading_does_not_stop_the_program(tmp_path: Path) -> None:
     """The reader opens the FIFO and never reads: the pipe fills (over 64 KiB of lines) and a
-    write that gets no room for a while gives the file up, as a write error would."""
+    write that gets no room for a while gives the file up, as a write error would: said once on
+    stderr, which gets the rest of the warnings and the summary."""
     fifo = tmp_path / "events.fifo"
     os.mkfifo(fifo)
     held = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that takes nothing
@@ -149,7 +150,10 @@ def test_a_reader_that_stops_reading_does_not_stop_the_program(tmp_path: Path) -
         code, out, err = ended(run(tmp_path, str(fifo), AG_EVENTS="400"))
     finally:
         os.close(held)
-    assert code == 0 and out == "ran True\n" and err == "", err
+    assert code == 0 and out == "ran True\n", err
+    said, *rest = err.splitlines()
+    assert said.startswith(f"attnguard WARNING: ATTNGUARD_LOG: cannot write {fifo}: ETIMEDOUT")
+    assert json.loads(rest[-1])["event"] == "summary"
 
 
 # --- another user's FIFO or device --------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..kernels import (
     Kernel,
     classify_kernel_error,
 )
+from ..observability import events
 from .entry import (
     Entry,
     GuardedCall,
@@ -29,6 +30,7 @@ from .entry import (
     mask_dtype_ok,
     release_notes,
 )
+from .refusals import as_made
 
 _REGISTRY = frozenset(
     {
@@ -45,24 +47,39 @@ class _Refused(Exception):
 
 
 def remedy_call(call_fn: OriginalCall, *args: Any, entry: Entry, **kwargs: Any) -> Any:
-    if not (entry.same_call_twin and entry.in_force.settings.changes_things):
-        return _remedy(call_fn, args, kwargs, entry)
-    # A same-call twin's entry: the library itself judges the call. Its events are said once
-    # the remedied call succeeds; where the library refuses it (under every kernel), the
-    # caller's own call runs as made and its answer stands, with nothing announced.
-    token = hold_notes()
+    if as_made(entry, args, kwargs) is not None:
+        # the caller's own call (a dtype no remedy computes, arguments the kernel refuses):
+        # it runs as made, so its answer, error included, is the kernel's own; nothing said
+        return call_fn(*args, **kwargs)
+    # Events are said once the call they describe has run as they say: where attnguard's own
+    # code fails on the way, fail-open runs the original call unchanged and none of them is
+    # true (a count of changes that never happened). Not inside a trace: nothing is said there.
+    token = None if events.is_compiling() else hold_notes()
+    same_call = entry.same_call_twin and entry.in_force.settings.changes_things
     try:
         out = _remedy(call_fn, args, kwargs, entry)
     except AttnGuardError:
-        release_notes(token, say=False)
+        _release(token, say=False)
         raise
     except Exception as exc:
-        release_notes(token, say=False)
-        if isinstance(exc, _Refused) or call_fn.raised is not None:
-            return call_fn(*args, **kwargs)
-        raise  # attnguard's own: fail-open reports it
-    release_notes(token, say=True)
+        if same_call:
+            # A same-call twin's entry: the library itself judges the call. Where it refuses
+            # it (under every kernel), the caller's own call runs as made and its answer
+            # stands, with nothing announced.
+            _release(token, say=False)
+            if isinstance(exc, _Refused) or call_fn.raised is not None:
+                return call_fn(*args, **kwargs)
+            raise  # attnguard's own: fail-open reports it
+        # the remedied call reached the kernel and it raised: what was changed was changed
+        _release(token, say=exc is call_fn.raised)
+        raise
+    _release(token, say=True)
     return out
+
+
+def _release(token: Any, *, say: bool) -> None:
+    if token is not None:
+        release_notes(token, say=say)
 
 
 def _remedy(
@@ -118,8 +135,9 @@ def _remedy(
     expected = None if autocast_on else wanted  # the dtype the caller's next layer takes
     ts = [c.get(n) for n in names]
     dts = tuple(t.dtype for t in ts)
-    quantized_kv = entry.kind == EntryKind.XFORMERS and dts[1] == dts[2] == torch.int32
-    mixed = any(d is not dts[0] for d in dts[1:]) and not quantized_kv
+    # only real floating dtypes get here (.refusals: complex, integer and xformers' quantized
+    # int32 key/value run as made), so the one dtype chosen is one of them
+    mixed = any(d is not dts[0] for d in dts[1:])
     half_only = entry.kind == EntryKind.FLASH_KERNEL and reason is None
     if mixed:
         target = choose_dtype(
@@ -301,10 +319,21 @@ def recover_after_error(
     paged = entry.kind == EntryKind.REGISTRY_PAGED or (
         entry.kind == EntryKind.REGISTRY_OTHER and kwargs.get("cache") is not None
     )
-    if known is None or paged:
+    if (
+        known is None
+        or paged
+        or as_made(entry, args, kwargs) is not None  # the caller's call: the kernel's answer
+    ):
         raise error
+    token = None if events.is_compiling() else hold_notes()
     try:
-        return recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)
+        out = recover_call(c, entry, entry.site_for(c.args), entry.latch_key(args), known, error)
     except _Refused:
-        pass
+        _release(token, say=False)
+    except BaseException as exc:
+        _release(token, say=exc is error)  # warn mode: the kernel's error, said as it is
+        raise
+    else:
+        _release(token, say=True)
+        return out
     raise error  # the kernel's own error is the call's: nothing was remedied before it

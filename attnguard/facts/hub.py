@@ -123,11 +123,14 @@ def reset(library: str | None = None) -> None:
 
 @dataclass(frozen=True)
 class CachedKernel:
-    """A hub kernel this machine has without network: its repo and build variants."""
+    """A hub kernel this machine has without network: its repo and build variants (names as
+    they can be shown: bytes that are no UTF-8 escaped, ``\\xff``)."""
 
     repo: str
     variants: tuple[str, ...]
-    source: str  # "cache" (the Hugging Face cache) or "LOCAL_KERNELS"
+    # "cache" (the Hugging Face cache, where `kernels` keeps its builds), "KERNELS_CACHE" (the
+    # cache `kernels` uses instead when that variable is set) or "LOCAL_KERNELS"
+    source: str
 
 
 def _hub_cache() -> Path:
@@ -143,37 +146,67 @@ def _hub_cache() -> Path:
     return base / "huggingface" / "hub"
 
 
+def kernels_cache() -> tuple[Path, str]:
+    """Where the ``kernels`` package keeps the builds it downloads, as it finds it: the
+    directory ``KERNELS_CACHE`` names, else the Hugging Face cache; and that source's name."""
+    explicit = os.environ.get("KERNELS_CACHE")
+    if explicit:
+        return Path(explicit).expanduser(), "KERNELS_CACHE"
+    return _hub_cache(), "cache"
+
+
+def shown_name(name: str) -> str:
+    """A file or variable name as text any output takes: bytes that are no UTF-8 (which Python
+    holds as surrogates) escaped as ``\\xff``, so nothing fails with a codec error later."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte
+        return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _variants(root: Path) -> tuple[str, ...]:
     build = root / "build"
     try:
-        return tuple(sorted(p.name for p in build.iterdir() if p.is_dir()))
+        return tuple(sorted(shown_name(p.name) for p in build.iterdir() if p.is_dir()))
     except OSError:
         return ()
 
 
+# the cache folders of hub kernels: `kernels` >= 0.16 downloads them as repositories of type
+# "kernel" (``kernels--org--name``); earlier releases as models (``models--org--name``), a layout
+# later ones still read version tags from
+_CACHE_LAYOUTS = ("kernels--", "models--")
+
+
 def cached() -> tuple[CachedKernel, ...]:
     """The hub kernels this machine can load without network (``attnguard doctor``): each
-    repository in the Hugging Face cache that holds kernel builds, and each ``LOCAL_KERNELS``
-    entry. Reads directory names only."""
+    ``LOCAL_KERNELS`` entry, and each repository in the cache ``kernels`` uses
+    (:func:`kernels_cache`) that holds builds (``snapshots/<revision>/build/<variant>``). Reads
+    directory names only; a name that is no UTF-8 is escaped (:func:`shown_name`)."""
     found: list[CachedKernel] = []
     overrides = os.environ.get("LOCAL_KERNELS") or ""
     for entry in overrides.split(":"):
         repo, _, path = entry.partition("=")
         if repo and path:
-            found.append(CachedKernel(repo, _variants(Path(path)), "LOCAL_KERNELS"))
-    try:
-        repos = sorted((_hub_cache()).glob("models--*--*"))
-    except OSError:
-        repos = []
-    for folder in repos:
-        variants: set[str] = set()
+            found.append(CachedKernel(shown_name(repo), _variants(Path(path)), "LOCAL_KERNELS"))
+    root, source = kernels_cache()
+    by_repo: dict[str, set[str]] = {}
+    for layout in _CACHE_LAYOUTS:
         try:
-            snapshots = list((folder / "snapshots").iterdir())
+            folders = sorted(root.glob(f"{layout}*--*"))
         except OSError:
-            continue
-        for snapshot in snapshots:
-            variants.update(_variants(snapshot))
-        if variants:
-            org, _, name = folder.name.removeprefix("models--").partition("--")
-            found.append(CachedKernel(f"{org}/{name}", tuple(sorted(variants)), "cache"))
+            folders = []
+        for folder in folders:
+            try:
+                snapshots = list((folder / "snapshots").iterdir())
+            except OSError:
+                continue
+            variants: set[str] = set()
+            for snapshot in snapshots:
+                variants.update(_variants(snapshot))
+            if variants:
+                org, _, name = folder.name.removeprefix(layout).partition("--")
+                by_repo.setdefault(shown_name(f"{org}/{name}"), set()).update(variants)
+    for repo in sorted(by_repo):
+        found.append(CachedKernel(repo, tuple(sorted(by_repo[repo])), source))
     return tuple(found)

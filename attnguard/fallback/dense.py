@@ -18,6 +18,18 @@ Tensor = torch.Tensor
 FlashResult = Tensor | tuple[Tensor, Tensor, None]
 
 
+def check_dtypes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """flash-attn's dtype refusals, with its messages, for what no twin computes: complex,
+    integer and bool tensors (a cast would turn the caller's type error into numbers). Float
+    dtypes the kernel itself refuses (float32) the twins compute: lifting that is their job."""
+    if not q.is_floating_point():
+        raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+    if not k.is_floating_point():
+        raise RuntimeError("query and key must have the same dtype")
+    if not v.is_floating_point():
+        raise RuntimeError("query and value must have the same dtype")
+
+
 def flash_core(
     q: Tensor,
     k: Tensor,
@@ -73,10 +85,9 @@ def flash_core(
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if hk == 0 or h % hk != 0:
         raise ValueError(f"number of heads in key/value ({hk}) must divide query heads ({h})")
-    if k.dtype != q.dtype:
-        k = k.to(q.dtype)
-    if v.dtype != q.dtype:
-        v = v.to(q.dtype)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        check_dtypes(q, k, v)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     left, right = window
     if sq == 0 or sk == 0:
@@ -179,6 +190,7 @@ def flash_attn_func(
     sinks, one logit per query head (flash-attn 3 builds' name; :mod:`.attention_sinks`)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("flash_attn_func expects q, k, v of shape (batch, seqlen, nheads, dim)")
+    check_dtypes(q, k, v)
     check_alibi(alibi_slopes, q.shape[0], q.shape[2])
     window = normalize_window(window_size, causal, k.shape[1])
     out, lse = flash_core(

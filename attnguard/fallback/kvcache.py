@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_sinks, routes, torch_flash, triton_decode
-from .dense import flash_core
+from .dense import check_dtypes, flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
 
@@ -58,13 +58,17 @@ def _check_kvcache_args(
     cache_leftpad: Tensor | None,
     block_table: Tensor | None,
 ) -> int:
-    """flash-attn's argument checks for ``flash_attn_with_kvcache`` (shapes only, so they hold
-    under torch.compile). Kernel limits (dtype, head_dim <= 256, page size a multiple of 256,
-    rotary_dim a multiple of 16) are not enforced: lifting them is what the twin is for.
+    """flash-attn's argument checks for ``flash_attn_with_kvcache`` (shapes, and dtypes no twin
+    computes: :func:`.dense.check_dtypes`; they hold under torch.compile). Kernel limits (half
+    dtypes, head_dim <= 256, page size a multiple of 256, rotary_dim a multiple of 16) are not
+    enforced: lifting them is what the twin is for.
     Returns the cache capacity per sequence (flash-attn's ``seqlen_k``).
     """
     # Every decode step of every layer pays for these checks: torch.Size compared with tuples
     # directly, messages built only on failure.
+    check_dtypes(q, k_cache, v_cache)  # an int8 cache is not cast into numbers
+    if k is not None and v is not None:
+        check_dtypes(q, k, v)
     qs, ks, vs = q.shape, k_cache.shape, v_cache.shape
     if len(qs) != 4:
         raise ValueError("q must have shape (batch_size, seqlen, nheads, headdim)")

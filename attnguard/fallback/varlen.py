@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import attention_sinks, routes, torch_flash
-from .dense import FlashResult, flash_core
+from .dense import FlashResult, check_dtypes, flash_core
 from .masks import check_alibi, normalize_window
 from .sdpa import compiling
 
@@ -195,6 +195,7 @@ def flash_attn_varlen_func(
     """
     if q.dim() != 3:
         raise ValueError("flash_attn_varlen_func expects q of shape (total_q, nheads, headdim)")
+    check_dtypes(q, k, v)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
     nseq = cu_seqlens_q.shape[0] - 1

@@ -153,6 +153,13 @@ def xformers_memory_efficient_attention(
             "query/key/value must all be [B, M, K], [B, M, H, K] or [B, M, G, H, K]; got "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
+    if not (query.is_floating_point() and key.is_floating_point() and value.is_floating_point()):
+        # xformers' quantized key/value (int32: packed int4 with scales) or a caller's integer
+        # or complex tensors: casting them would make numbers out of them
+        raise NotImplementedError(
+            "attnguard's twin of memory_efficient_attention computes floating query/key/value "
+            f"only; got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if key.dtype != query.dtype:
         key = key.to(query.dtype)
     if value.dtype != query.dtype:

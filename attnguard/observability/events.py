@@ -42,10 +42,9 @@ from typing import Any
 from .. import launch
 from ..config import Settings
 from ..launch import IDENTITY_VARS, launch_context, launch_identity
-from . import logfile
 from .reasons import known as known_reason
 from .sinks import LEVELNO as _LEVELNO
-from .sinks import StreamSink, render_console, render_json, stdlib_logger
+from .sinks import StreamSink, link_fallbacks, render_console, render_json, stdlib_logger
 from .sinks import to_stdlib as _to_stdlib
 
 __all__ = [
@@ -313,6 +312,7 @@ def configure_sinks(settings: Settings, eager: bool = False) -> None:
                 settings.threshold_for(sink.target),
                 settings.console_ranks,
             )
+    link_fallbacks(new, settings.format_for("stderr"))
     _state.settings = settings
     _state.streams = tuple(new)
     for sink in old.values():
@@ -353,17 +353,6 @@ def _unwritable(settings: Settings, target: str, exc: OSError) -> ValueError:
         f"{shown(exc.filename or target, quote=False)}: {exc.strerror or exc}); valid values: "
         f"{LOG_TARGETS_HELP}"
     )
-
-
-def probe_log_files(settings: Settings) -> None:
-    """Open each log file of ``settings`` as this process would, then close it (a file made
-    only for the probe is removed): ValueError naming ATTNGUARD_LOG where it would fail."""
-    for target in settings.log_targets:
-        if target != "stderr":
-            try:
-                logfile.probe_log(StreamSink(target, "json").path())
-            except OSError as exc:
-                raise _unwritable(settings, target, exc) from None
 
 
 def _kind(event: str, applied: Any) -> int | None:

@@ -179,48 +179,6 @@ def open_log(path: str) -> OpenedLog:
     return opened
 
 
-def _yours_not_regular(path: str) -> bool:
-    """``path`` names, through trusted links, something of yours (or root's, or the process's
-    own stream) that is not a regular file: a FIFO, a terminal, a device."""
-    try:
-        walk, name, magic = walk_to(path, create_dirs=False)
-    except OSError:
-        return False  # another user's link on the way, a missing directory: open_log says
-    try:
-        st = _stat(walk.fd, name, follow=magic)
-    finally:
-        walk.close()
-    if st is None or stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-        return False
-    return magic or trusted_owner(st.st_uid)
-
-
-def probe_log(path: str) -> None:
-    """Open ``path`` as the guarded program will, then close it; a file created only for the
-    probe is removed again. Raises UnsafeFile or OSError exactly where :func:`open_log` would.
-    Something of yours other than a regular file (a FIFO, a terminal) is not opened: an open and
-    a close would be seen by whoever reads at the other end (a FIFO's reader would get its end),
-    and a FIFO nobody reads yet is no error (the program holds its lines for a reader)."""
-    if path_problem(path) is None and _yours_not_regular(path):
-        if not os.access(path, os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
-        return
-    existed = os.path.lexists(path)
-    opened = open_log(path)
-    try:
-        mine = os.fstat(opened.fd)
-        created = (opened.refused is not None or not existed) and stat.S_ISREG(mine.st_mode)
-    finally:
-        os.close(opened.fd)
-    if created:
-        try:
-            now = os.stat(opened.path, follow_symlinks=False)
-            if now.st_size == 0 and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
-                os.unlink(opened.path)
-        except OSError:
-            pass
-
-
 def _wait_for_room(fd: int, seconds: float) -> None:
     try:
         import select
@@ -233,21 +191,40 @@ def _wait_for_room(fd: int, seconds: float) -> None:
 
 
 def write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` whole to the log's descriptor; a non-blocking FIFO or device that takes
-    nothing for :data:`WRITE_WAIT_S` raises TimeoutError (the sink then gives the file up)."""
+    """Write ``data`` (one line) whole to the log's descriptor; a non-blocking FIFO or device
+    that takes nothing for :data:`WRITE_WAIT_S` raises TimeoutError (the sink then gives the file
+    up). A regular file keeps whole lines only: where a write error (a full disk, a file-size
+    limit) cuts the line short, the part written is taken back before the error is raised."""
     view = memoryview(data)
     deadline = None
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:
-            n = 0
-        if n:
-            view = view[n:]
-            continue
-        now = time.monotonic()
-        if deadline is None:
-            deadline = now + WRITE_WAIT_S
-        if now >= deadline:
-            raise TimeoutError(errno.ETIMEDOUT, f"no room in the log for {WRITE_WAIT_S:g} s")
-        _wait_for_room(fd, deadline - now)
+    try:
+        while view:
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                n = 0
+            if n:
+                view = view[n:]
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + WRITE_WAIT_S
+            if now >= deadline:
+                raise TimeoutError(errno.ETIMEDOUT, f"no room in the log for {WRITE_WAIT_S:g} s")
+            _wait_for_room(fd, deadline - now)
+    except OSError:
+        if 0 < len(view) < len(data):
+            _take_back(fd, len(data) - len(view))
+        raise
+
+
+def _take_back(fd: int, written: int) -> None:
+    """Cut the last ``written`` bytes (a line the disk took only part of) off a regular file,
+    where they are still its end (nothing appended after them)."""
+    try:
+        st = os.fstat(fd)
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        if stat.S_ISREG(st.st_mode) and st.st_size == end and end >= written:
+            os.ftruncate(fd, end - written)
+    except OSError:
+        pass

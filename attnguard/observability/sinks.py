@@ -1,8 +1,12 @@
 """Where rendered events go: one JSON line or one console line each, to stderr or a log file.
 
 Writing never disturbs the program: a log file is written unbuffered, one ``os.write`` per line,
-and abandoned after its first OSError; on stderr the program's own stream is flushed first and our
-line goes straight to the file descriptor underneath, so nothing of ours stays buffered in it.
+and given up after its first OSError (a full disk, a file-size limit, a FIFO whose reader left):
+one line on stderr says so (path, errno), the file keeps whole lines only (a line cut short by
+the error is taken back), and from then on what matters most still reaches stderr: warnings,
+errors and the exit summary (:meth:`StreamSink._fall_back`). On stderr the program's own stream
+is flushed first and our line goes straight to the file descriptor underneath, so nothing of ours
+stays buffered in it.
 Files are opened by :func:`attnguard.observability.logfile.open_log` (its rules: docs/files.md);
 a path another user occupies is replaced by a fresh file of this process's own, which the sink
 reports (:meth:`StreamSink.take_refusal`) for :mod:`attnguard.observability.events` to say. A FIFO
@@ -13,6 +17,7 @@ of yours that nobody reads yet is opened again at each later line, its lines hel
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -112,6 +117,14 @@ def _write_all(write: Callable[[Any], Any], data: bytes) -> None:
         view = view[n:]
 
 
+def link_fallbacks(sinks: list[StreamSink], stderr_format: str) -> None:
+    """Where each file sink's lines go once its file is given up (:meth:`StreamSink._fall_back`):
+    stderr in ``stderr_format``, except what the stderr sink among ``sinks`` shows anyway."""
+    beside = next((s for s in sinks if s.target == "stderr"), None)
+    for sink in sinks:
+        sink.stderr_format, sink.beside = stderr_format, beside
+
+
 class StreamSink:
     """Writes rendered events at or above ``threshold`` to stderr or a (per-rank) file.
 
@@ -135,6 +148,10 @@ class StreamSink:
         # (path asked for, path used, why) when another user occupied the path: told once
         self.refused: tuple[str, str, str] | None = None
         self._broken = False  # a file that failed once is not written again
+        # where its lines go once the file is given up: stderr in this format, except what the
+        # stderr sink of the same settings (``beside``) shows anyway (configure_sinks sets both)
+        self.stderr_format = "json"
+        self.beside: StreamSink | None = None
         self._closed = False  # replaced by a settings change: late lines are dropped
         self._dead_stream: Any = None  # the stderr object that failed (a new one is tried)
         self._held: list[bytes] = []  # lines for a FIFO nobody reads yet
@@ -193,8 +210,29 @@ class StreamSink:
                 return
             if self.target == "stderr":
                 self._to_stderr(line)
-            elif not self._broken:
+                return
+            if not self._broken:
                 self._to_file(line.encode("utf-8"))
+                if not self._broken:
+                    return
+            self._fall_back(ed, console)
+
+    def _fall_back(self, ed: dict[str, Any], console: bool) -> None:
+        """A line for the file given up: to stderr when it matters most (a warning or an error,
+        the exit summary) and is meant for a console, unless the stderr sink beside this one
+        shows it anyway."""
+        if not console:
+            return
+        if (
+            LEVELNO.get(ed.get("level", "info"), 20) < LEVELNO["warning"]
+            and ed.get("event") != "summary"
+        ):
+            return
+        beside = self.beside
+        if beside is not None and not beside._closed and beside.wants(ed, console):
+            return
+        render = render_console if self.stderr_format == "console" else render_json
+        self._to_stderr(render(ed) + "\n")
 
     def _to_file(self, data: bytes | None) -> None:
         """Write ``data`` (None: only what is held), the held lines first; hold it while the
@@ -209,8 +247,8 @@ class StreamSink:
                     self._held.append(data)
                     self._held_bytes += len(data)
             return
-        except OSError:
-            self._give_up()
+        except OSError as exc:
+            self._give_up(exc)
             return
         try:
             while self._held:
@@ -218,14 +256,33 @@ class StreamSink:
                 self._held_bytes -= len(self._held.pop(0))
             if data is not None:
                 logfile.write_all(fd, data)
-        except OSError:
-            self._give_up()  # full disk, file gone, a reader that takes nothing: never raise
+        except OSError as exc:
+            self._give_up(exc)  # full disk, file gone, a reader that left: never raise
 
-    def _give_up(self) -> None:
+    def _give_up(self, exc: OSError) -> None:
+        """The file failed: never written again, and said once on stderr (the lines held for a
+        FIFO's reader are lost with it, counted)."""
+        lost = len(self._held) + self._dropped
         self._broken = True
         self._held.clear()
         self._held_bytes = self._dropped = 0
         self._close()
+        code = errno.errorcode.get(exc.errno or 0, "")
+        why = (
+            f"{code} ({exc.strerror})" if code and exc.strerror else str(exc) or type(exc).__name__
+        )
+        held = f"; {lost} event line(s) held for it are lost" if lost else ""
+        self._to_stderr(
+            f"attnguard WARNING: ATTNGUARD_LOG: cannot write {self._shown_path()}: {why}; "
+            f"the log file is given up{held}; from now on this process's warnings, errors and "
+            "exit summary go to stderr\n"
+        )
+
+    def _shown_path(self) -> str:
+        try:
+            return self._opened or self.path()
+        except Exception:
+            return self.target
 
     def _to_stderr(self, line: str) -> None:
         stream = sys.stderr
