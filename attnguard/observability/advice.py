@@ -209,14 +209,14 @@ def _transformers_instead(f: Facts) -> str:
     return f"{refused}: {_EAGER_WORDS}"
 
 
-def _no_flash_here(f: Facts, kernel: str = "flash-attn") -> str:
-    """Why installing the kernel cannot help on this machine ("" where it could)."""
+def _no_flash_here(f: Facts) -> str:
+    """Why installing flash-attn cannot help on this machine ("" where it could)."""
     if f.device == "cpu":
-        return f"{kernel} runs on CUDA GPUs only, so there is nothing to install on this machine"
+        return "flash-attn runs on CUDA GPUs only, so there is nothing to install on this machine"
     if f.gpu_below_flash and f.capability is not None:
         major, minor = f.capability
         return (
-            f"{kernel} 2 runs on sm80 (Ampere) and newer GPUs, this one is sm{major}{minor}, so "
+            f"flash-attn 2 runs on sm80 (Ampere) and newer GPUs, this one is sm{major}{minor}, so "
             "there is nothing to install for it"
         )
     return ""
