@@ -1,13 +1,14 @@
-"""Shared fixtures. Every test starts and ends with attnguard deactivated and counts cleared.
+"""pytest's hooks and the shared fixtures. Every test starts and ends with attnguard
+deactivated, counts, latches and the workload record cleared.
 
 ``import attnguard`` activates from the environment; the test session imports it once with
 ATTNGUARD_LOG=none so pytest's own output stays clean, then each test switches it on as needed.
+What tests share besides fixtures is in tests/helpers (tests/README.md).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,24 +22,12 @@ for _var in [v for v in os.environ if v.startswith("ATTNGUARD")]:
     del os.environ[_var]  # a developer's shell settings must not leak into tests
 os.environ["ATTNGUARD_LOG"] = "none"
 
+from helpers.models import save_tiny  # noqa: E402
+from helpers.packages import STANDINS, purge_flash_attn  # noqa: E402
+
 import attnguard  # noqa: E402
+from attnguard import callguard  # noqa: E402
 from attnguard.observability import events, workload  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-STANDINS = REPO / "tests" / "standins"
-
-
-def hub_standin() -> Any:
-    """tests/standins/hub_kernel.py, the stand-in hub kernel's writer (loaded by path: that folder
-    also holds the flash-attn stand-in, which must not become importable in this process)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("hub_standin", STANDINS / "hub_kernel.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 attnguard.deactivate()
 
@@ -67,6 +56,8 @@ TORCH = {
     "test_attention_sinks.py",
     "test_compile.py",
     "test_fallback.py",
+    "test_fallback_varlen.py",
+    "test_fallback_xformers.py",
     "test_kvcache_twin.py",
     "test_torch_releases.py",
     "test_twin_routes.py",
@@ -120,10 +111,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _clean_guard() -> Iterator[None]:
     attnguard.deactivate()
     events.reset_counts()
+    callguard.reset_latches()  # a call site one test latched stays unlatched for the next
     workload.reset()  # what reached the twins: the summary's advice reads it
     yield
     attnguard.deactivate()
     events.reset_counts()
+    callguard.reset_latches()
     workload.reset()
 
 
@@ -145,149 +138,31 @@ def guard(captured: list[dict[str, Any]]) -> Iterator[Any]:
     yield _activate
 
 
-def diffusers_dispatch() -> Any:
-    """diffusers' attention dispatcher module, or skip the calling test module with the reason.
-    scripts/test.sh provides diffusers where pip can install it beside this environment's
-    transformers and otherwise says why not in TEST_DIFFUSERS_ABSENT; where it provided it
-    (TEST_DIFFUSERS_EXPECTED=1), diffusers failing to import is a failure, not a skip."""
-    absent = os.environ.get("TEST_DIFFUSERS_ABSENT")
-    if absent:
-        pytest.skip(absent, allow_module_level=True)
-    try:
-        import diffusers.models.attention_dispatch as ad
-    except Exception as exc:
-        if os.environ.get("TEST_DIFFUSERS_EXPECTED") == "1":
-            raise
-        pytest.skip(f"diffusers does not import here: {exc!r}", allow_module_level=True)
-    return ad
+@pytest.fixture
+def flash_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The flash-attn stand-in (tests/standins) imported fresh, then attnguard activated (patching
+    it); forgotten afterwards: other tests must not see flash_attn installed."""
+    attnguard.deactivate()
+    monkeypatch.syspath_prepend(str(STANDINS))
+    purge_flash_attn()
+    import flash_attn
+
+    assert flash_attn.IS_ATTNGUARD_STANDIN
+    attnguard.activate(log="none")
+    events.reset_counts()
+    yield flash_attn
+    attnguard.deactivate()
+    purge_flash_attn()
 
 
-def names(evts: list[dict[str, Any]], *, skip: tuple[str, ...] = ("activated",)) -> list[str]:
-    """Event names in order, without bookkeeping events."""
-    return [e["event"] for e in evts if e["event"] not in skip]
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for a child Python that imports this checkout of attnguard."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
-
-
-PY = sys.executable
-
-# Every event's fixed fields, in order: the schema as users read it (spelled out, not imported
-# from attnguard, so a change there has to change this too).
-FIXED = [
-    "schema",
-    "event",
-    "level",
-    "ts",
-    "pid",
-    "proc",
-    "host",
-    "rank",
-    "local_rank",
-    "world_size",
-    "mode",
-    "site",
-    "reason_code",
-    "reason",
-    "count",
-]
-
-
-# --- tiny real transformers models (load-time guard tests) ---------------------------------------
-
-TINY_FAMILIES = ("llama", "qwen2", "qwen2_5_vl")
-# Qwen2.5-VL special tokens of the tiny recipe (ids of its tiny vocabulary)
-VL_IMAGE, VL_START, VL_END, VL_VIDEO = 122, 120, 121, 123
-
-
-def tiny_config(family: str, **overrides: Any) -> Any:
-    """A tiny random config of a real architecture (flat text kwargs work on 4.49, 4.57, 5.x)."""
-    import transformers
-
-    text = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "llama":
-        return transformers.LlamaConfig(**text, **overrides)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**text, **overrides)
-    if family == "qwen2_5_vl":
-        return transformers.Qwen2_5_VLConfig(
-            **text,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-            image_token_id=VL_IMAGE,
-            video_token_id=VL_VIDEO,
-            vision_start_token_id=VL_START,
-            vision_end_token_id=VL_END,
-            vision_config=dict(
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                in_channels=3,
-                window_size=16,
-                fullatt_block_indexes=[1],
-                tokens_per_second=2,
-            ),
-            **overrides,
-        )
-    raise ValueError(family)
-
-
-def tiny_model_class(family: str) -> Any:
-    import transformers
-
-    return {
-        "llama": transformers.LlamaForCausalLM,
-        "qwen2": transformers.Qwen2ForCausalLM,
-        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-    }[family]
-
-
-def tiny_inputs(family: str) -> dict[str, Any]:
-    """A batch of two with left padding (and an image for the VLM)."""
+@pytest.fixture
+def dynamo_reset() -> Iterator[None]:
+    """torch.compile's caches cleared before and after the test."""
     import torch
 
-    if family != "qwen2_5_vl":
-        ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
-        mask = (ids != 0).long()
-        return {"input_ids": ids, "attention_mask": mask}
-    gen = torch.Generator().manual_seed(0)
-    grid = torch.tensor([[1, 4, 4]])
-    pixels = torch.randn(16, 3 * 2 * 4 * 4, generator=gen)
-    row = [5, 6, VL_START] + [VL_IMAGE] * 4 + [VL_END, 7, 8]
-    ids = torch.tensor([[0, 0, *row[:-2]], row])
-    return {
-        "input_ids": ids,
-        "attention_mask": (ids != 0).long(),
-        "pixel_values": torch.cat([pixels, pixels]),
-        "image_grid_thw": torch.cat([grid, grid]),
-    }
-
-
-def logits_of(model: Any, family: str) -> Any:
-    import torch
-
-    with torch.no_grad():
-        return model.eval()(**tiny_inputs(family)).logits
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")
@@ -301,12 +176,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
             import torch
 
             # default attention: nothing for attnguard to decide, even when it is active
-            torch.manual_seed(0)
-            model = tiny_model_class(family)(tiny_config(family))
-            model.to(getattr(torch, dtype))
             path = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            model.save_pretrained(path)
-            cache[key] = path
+            cache[key] = save_tiny(path, family, dtype=getattr(torch, dtype))
         return cache[key]
 
     return make

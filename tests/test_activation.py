@@ -11,7 +11,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO, STANDINS, subprocess_env
+from helpers.packages import STANDINS
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard import runtime

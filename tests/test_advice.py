@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_inputs, tiny_model_class
+from helpers.models import tiny_config, tiny_inputs, tiny_model_class
 
 import attnguard
 from attnguard.observability import advice, eventfiles, summary, workload

@@ -18,7 +18,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PY, diffusers_dispatch, subprocess_env, tiny_config
+from helpers.models import tiny_config
+from helpers.packages import diffusers_dispatch
+from helpers.processes import PY, subprocess_env
 
 from attnguard.observability import advice, events, summary, workload
 from attnguard.observability.advice import Facts

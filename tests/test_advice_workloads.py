@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers.models import tiny_config
 
 import attnguard
 from attnguard.integrations.transformers import twin_calls

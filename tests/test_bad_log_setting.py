@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 from test_quiet import env_for, needs_hook
 
 from attnguard import config

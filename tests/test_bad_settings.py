@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY
+from helpers.processes import PY
 from test_quiet import env_for, needs_hook
 
 import attnguard

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PY, REPO
+from helpers.processes import PY, REPO
 from test_quiet import env_for
 
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))

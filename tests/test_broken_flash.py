@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, STANDINS, subprocess_env
+from helpers.packages import STANDINS
+from helpers.processes import PY, REPO, subprocess_env
 
 BROKEN = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
 WORKER = REPO / "tests" / "workers" / "broken_flash_worker.py"

@@ -17,7 +17,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 BROKEN = os.environ.get("TEST_BROKEN_FLASH_ATTN_DIR")
 pytestmark = pytest.mark.skipif(

@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import diffusers_dispatch, names
+from helpers.events import names
+from helpers.packages import diffusers_dispatch
 
 import attnguard
 from attnguard import callguard

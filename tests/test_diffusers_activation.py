@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
+from helpers.packages import STANDINS, diffusers_dispatch
+from helpers.processes import PY, REPO, subprocess_env
 
 diffusers_dispatch()  # or the module skips, saying why diffusers is not here
 

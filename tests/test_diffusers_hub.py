@@ -28,7 +28,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PY, REPO, diffusers_dispatch, hub_standin, names, subprocess_env
+from helpers.events import names
+from helpers.packages import diffusers_dispatch, hub_standin
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 

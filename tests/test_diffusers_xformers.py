@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PY, REPO, diffusers_dispatch, subprocess_env
+from helpers.packages import diffusers_dispatch
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard import callguard

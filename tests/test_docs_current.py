@@ -10,7 +10,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 from attnguard import support
 from attnguard.integrations import REGISTRY, LibraryIntegration

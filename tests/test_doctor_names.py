@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, hub_standin, subprocess_env
+from helpers.packages import hub_standin
+from helpers.processes import PY, subprocess_env
 
 write_repo = hub_standin().write_repo
 KERNELS = os.environ.get("TEST_KERNELS_DIR")

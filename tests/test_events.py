@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import structlog
-from conftest import FIXED, PY, subprocess_env
+from helpers.events import FIXED
+from helpers.processes import PY, subprocess_env
 
 import attnguard
 from attnguard.observability import events

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import PY, REPO, STANDINS, diffusers_dispatch, subprocess_env
+from helpers.packages import STANDINS, diffusers_dispatch
+from helpers.processes import PY, REPO, subprocess_env
 
 from attnguard import facts, support
 from attnguard.observability import events

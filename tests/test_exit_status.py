@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 PROGRAM = """
 import os, sys

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 WORKER = """
 import os, sys

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, STANDINS, subprocess_env
+from helpers.packages import STANDINS
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard.failopen import fail_open, report_internal_error

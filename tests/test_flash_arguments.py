@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import tiny_config
+from helpers.models import tiny_config
 
 import attnguard
 from attnguard.observability import events

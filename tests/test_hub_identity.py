@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PY, REPO, hub_standin, subprocess_env
+from helpers.packages import hub_standin
+from helpers.processes import PY, REPO, subprocess_env
 
 from attnguard import kernel_identity as kid
 from attnguard import kernels

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, hub_standin, subprocess_env
+from helpers.packages import hub_standin
+from helpers.processes import PY, REPO, subprocess_env
 
 standin = hub_standin()
 write_repo = standin.write_repo

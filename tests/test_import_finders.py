@@ -13,7 +13,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 HANG_S = 200
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY
+from helpers.processes import PY
 from test_quiet import env_for, needs_hook
 
 from attnguard import importhooks

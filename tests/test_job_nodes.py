@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 # Every rank loads a tiny Llama asking for flash attention (absent on CPU: a remedy on every
 # rank, as in the issue), runs a forward, then ends its group. ``RANK1_EXIT`` picks how rank 1

@@ -19,7 +19,7 @@ import sys
 from types import ModuleType
 
 import pytest
-from conftest import REPO
+from helpers.processes import REPO
 
 from attnguard.observability import jobstore
 

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PY, REPO, STANDINS, subprocess_env
+from helpers.packages import STANDINS
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard.observability import events

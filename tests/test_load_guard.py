@@ -19,16 +19,9 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import (
-    PY,
-    TINY_FAMILIES,
-    logits_of,
-    names,
-    subprocess_env,
-    tiny_config,
-    tiny_inputs,
-    tiny_model_class,
-)
+from helpers.events import names
+from helpers.models import TINY_FAMILIES, logits_of, tiny_config, tiny_inputs, tiny_model_class
+from helpers.processes import PY, subprocess_env
 from packaging.version import Version
 
 import attnguard
@@ -623,7 +616,7 @@ _BROKEN_SCRIPT = textwrap.dedent(
     import attnguard
     from attnguard.observability import events
     from attnguard import facts
-    from conftest import tiny_config, tiny_inputs, tiny_model_class, logits_of
+    from helpers.models import logits_of, tiny_config, tiny_inputs, tiny_model_class
     out = {"transformers": transformers.__version__}
     status = facts.current().backend("flash_attention_2")
     out["status"] = [status.reason_code, status.reason]

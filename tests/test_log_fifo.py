@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 from test_file_safety import _attnguard_run, _went_around, as_user, other_user, shared_dir
 
 __all__ = ["other_user", "shared_dir"]  # fixtures used here

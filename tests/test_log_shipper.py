@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 RSYSLOGD = shutil.which("rsyslogd") or (
     "/usr/sbin/rsyslogd" if Path("/usr/sbin/rsyslogd").exists() else None

@@ -20,7 +20,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from conftest import FIXED, REPO
+from helpers.events import FIXED
+from helpers.processes import REPO
 
 import attnguard
 from attnguard.failopen import report_internal_error

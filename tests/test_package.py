@@ -13,7 +13,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXED, PY, REPO, subprocess_env
+from helpers.events import FIXED
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard import config, support

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from conftest import PY
+from helpers.processes import PY
 from test_quiet import env_for, json_lines, needs_hook
 
 pytestmark = needs_hook

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, names, subprocess_env
+from helpers.events import names
+from helpers.processes import PY, REPO, subprocess_env
 
 import attnguard
 from attnguard.observability import events

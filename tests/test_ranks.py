@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, subprocess_env
+from helpers.processes import PY, REPO, subprocess_env
 
 WORKER = REPO / "tests" / "workers" / "ranks_worker.py"
 # DeepSpeed lives outside the environment (scripts/test.sh): only its workers get it on their path

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 pytest.importorskip("ray")
 pytest.importorskip("xformers")

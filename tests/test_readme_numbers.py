@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import run_record
-from conftest import PY, REPO, subprocess_env
+from helpers.processes import PY, REPO, subprocess_env
 
 
 def test_readme_states_each_commands_time_and_counts_as_ranges() -> None:

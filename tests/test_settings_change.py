@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from conftest import tiny_inputs
+from helpers.models import tiny_inputs
 
 import attnguard
 from attnguard import facts, runtime

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PY, STANDINS
+from helpers.packages import STANDINS
+from helpers.processes import PY
 from test_quiet import env_for, json_lines, needs_hook
 
 pytestmark = needs_hook

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

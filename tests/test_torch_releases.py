@@ -12,7 +12,7 @@ once, outside traced code, and nothing on a traced path breaks a graph on any of
   there).
 
 CI runs this file in each torch lane (the newest torch, the floor, one between); tests/test_compile.py
-and the twins' compile tests (tests/test_fallback.py, tests/test_kvcache_twin.py) run there too.
+and the twins' compile tests (tests/test_fallback*.py, tests/test_kvcache_twin.py) run there too.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import PY, subprocess_env
+from helpers.processes import PY, subprocess_env
 
 from attnguard.integrations import REGISTRY, by_name
 from attnguard.integrations.protocol import Integration, release

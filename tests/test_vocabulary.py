@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import REPO
+from helpers.processes import REPO
 
 from attnguard import config, kernels, plan
 from attnguard.observability import advice, events, reasons

@@ -15,7 +15,7 @@ import subprocess
 from typing import Any
 
 import pytest
-from conftest import PY, REPO, subprocess_env
+from helpers.processes import PY, REPO, subprocess_env
 from workers import zoo
 
 KERNELS = os.environ.get("TEST_KERNELS_DIR")

@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import hub_standin
 from gpuenv import PY, WORKERS, child_env, results_dir
+from helpers.packages import hub_standin
 
 pytestmark = [
     pytest.mark.gpu,

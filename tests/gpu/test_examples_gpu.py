@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PY
+from helpers.processes import PY
 
 pytestmark = pytest.mark.gpu
 

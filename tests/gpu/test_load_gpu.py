@@ -42,7 +42,7 @@ GPU_WARNING = "not initialized on GPU"
 _SCRIPT = r"""
 import json, logging, sys, tempfile
 import torch, transformers
-from conftest import tiny_config, tiny_model_class, tiny_inputs
+from helpers.models import tiny_config, tiny_inputs, tiny_model_class
 import attnguard
 from attnguard.observability import events
 from attnguard import facts

@@ -1,0 +1,46 @@
+"""Child processes: this checkout's paths, a child Python's environment, one run with a watchdog,
+a free port, an exception's first line."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+WORKERS = TESTS / "workers"
+PY = sys.executable
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """Environment for a child Python that imports this checkout of attnguard."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run_python(
+    args: list[str], env: dict[str, str], *, timeout: float = 600, what: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` (a script and its arguments, or ``-c CODE ...``) under a watchdog
+    (``timeout`` seconds: a hang fails the test, it never stalls the suite); it must exit 0,
+    or the test fails with ``what`` and the end of its stderr."""
+    res = subprocess.run([PY, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{what or args[0]}:\n{res.stderr[-4000:]}"
+    return res
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a launcher's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: the message's first line`` (at most ``limit`` characters of it)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:limit]}"
