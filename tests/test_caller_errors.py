@@ -22,7 +22,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attnguard
 from attnguard import callguard, kernels, runtime
 from attnguard.fallback import FLASH_FUNCTIONS
 from attnguard.observability import events
@@ -30,38 +29,6 @@ from attnguard.observability import events
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 REPO = Path(__file__).resolve().parents[1]
 STANDINS = REPO / "tests" / "standins"
-
-
-def _purge_flash_attn() -> None:
-    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def flash_standin(monkeypatch: pytest.MonkeyPatch) -> Any:
-    attnguard.deactivate()
-    monkeypatch.syspath_prepend(str(STANDINS))
-    _purge_flash_attn()
-    import flash_attn
-
-    assert flash_attn.IS_ATTNGUARD_STANDIN
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield flash_attn
-    attnguard.deactivate()
-    callguard.reset_latches()
-    _purge_flash_attn()
-
-
-@pytest.fixture
-def guarded() -> Any:
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield
-    attnguard.deactivate()
-    callguard.reset_latches()
 
 
 def _error_of(fn: Any, *args: Any, **kwargs: Any) -> tuple[type, str]:
@@ -116,7 +83,7 @@ def _cpu_flash_kernel(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
 
 
 @pytest.fixture
-def cpu_flash(guarded: None) -> Any:
+def cpu_flash(guard: Any) -> Any:
     entry = callguard.Entry(
         "flash_attn_func",
         kernels.EntryKind.FLASH_KERNEL,
@@ -178,7 +145,7 @@ def test_the_twins_refuse_what_they_cannot_compute_with_flash_attns_messages():
         FLASH_FUNCTIONS["flash_attn_with_kvcache"](k[:, :1], cache, cache, cache_seqlens=3)
 
 
-def test_xformers_keeps_its_own_dtype_error_and_its_quantized_convention(guarded):
+def test_xformers_keeps_its_own_dtype_error_and_its_quantized_convention(guard):
     xops = pytest.importorskip("xformers.ops", reason="xformers from PyPI (scripts/test.sh)")
     q, k = _rand(1, 4, 2, 8, dtype=FP16), _rand(1, 4, 2, 8, dtype=FP16, seed=1)
     kind, message = _same_as_unguarded(xops.memory_efficient_attention, _complex(1, 4, 2, 8), k, k)
@@ -189,7 +156,7 @@ def test_xformers_keeps_its_own_dtype_error_and_its_quantized_convention(guarded
     assert kind is NotImplementedError and "No operator found" in message
 
 
-def test_registry_sdpa_keeps_its_error_for_a_complex_query(guarded):
+def test_registry_sdpa_keeps_its_error_for_a_complex_query(guard):
     from transformers import modeling_utils
 
     from attnguard.integrations.transformers.interface import registry_mapping
@@ -242,14 +209,14 @@ def test_stand_in_functions_keep_their_error_for_a_callers_invalid_call(flash_st
     _same_as_unguarded(fn, *args())
 
 
-def test_xformers_keeps_its_own_shape_error(guarded):
+def test_xformers_keeps_its_own_shape_error(guard):
     xops = pytest.importorskip("xformers.ops", reason="xformers from PyPI (scripts/test.sh)")
     q, kv = _rand(1, 4, 4, 8, dtype=FP16), _rand(1, 4, 2, 8, dtype=FP16)
     kind, message = _same_as_unguarded(xops.memory_efficient_attention, q, kv, kv)
     assert kind is ValueError and "Incompatible shapes" in message
 
 
-def test_registry_entry_keeps_its_error_and_counts_no_change(guarded):
+def test_registry_entry_keeps_its_error_and_counts_no_change(guard):
     from transformers import modeling_utils
 
     from attnguard.integrations.transformers.interface import registry_mapping

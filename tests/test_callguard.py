@@ -6,10 +6,11 @@ exercised in test_registry_guard.py / test_direct_entry.py.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import pytest
 import torch
+from helpers import tensors
 
 import attnguard
 from attnguard import callguard, dtypes, kernels
@@ -19,31 +20,7 @@ from attnguard.integrations.transformers import attention
 from attnguard.observability import events
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-
-@pytest.fixture
-def guard():
-    """attnguard active in fix mode, no log output, fresh counters and latches."""
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield
-    attnguard.deactivate()
-    events.reset_counts()
-    callguard.reset_latches()
-
-
-def reference(q, k, v, keep=None, scale=None):
-    """float64 attention on (B, H, S, D) with a bool keep mask; rows with no key give 0."""
-    q, k, v = q.double(), k.double(), v.double()
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return (p @ v).transpose(1, 2)  # (B, S, H, D)
+reference = functools.partial(tensors.reference, heads_first=True)  # q, k, v: (B, H, S, D)
 
 
 class Attn(torch.nn.Module):

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.models import CLASS_DEFAULT, save_tiny
 
 import attnguard
-from attnguard import callguard
 from attnguard.observability import events
 
 transformers = pytest.importorskip("transformers")
 from transformers import (  # noqa: E402
-    LlamaConfig,
     LlamaForCausalLM,
     modeling_utils,  # noqa: E402
 )
@@ -26,33 +25,20 @@ from attnguard.integrations.transformers import interface  # noqa: E402
 
 BF16 = torch.bfloat16
 
-
-@pytest.fixture
-def guard():
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    torch._dynamo.reset()
-    yield
-    attnguard.deactivate()
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("dynamo_reset")  # every test compiles afresh
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    path = tmp_path_factory.mktemp("tiny_llama_compile")
+    return save_tiny(
+        path,
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=64,
+        pad_token_id=CLASS_DEFAULT,
     )
-    path = tmp_path_factory.mktemp("tiny_llama_compile")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 def _load(path, impl="sdpa", dtype=torch.float32):

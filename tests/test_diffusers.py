@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.events import names
+from helpers.events import names, reasons
 from helpers.packages import diffusers_dispatch
 
 import attnguard
@@ -365,7 +365,7 @@ def test_a_forced_sdpa_kernel_that_cannot_take_the_call_is_rerun_unforced(
             ad.dispatch_attention_fn(q, k, v, attention_kwargs=lse, backend="_native_cudnn")
     attnguard.activate(log="none")
     torch.testing.assert_close(dw.run(model, inputs), ref, rtol=0, atol=1e-6)
-    got = [(e["event"], e["reason_code"]) for e in captured[1:]]
+    got = reasons(captured[1:])
     assert got[:2] == [
         ("kernel_error_recovered", "no_sdpa_kernel"),
         ("backend_rerouted", "no_sdpa_kernel"),  # the site's later calls go straight there

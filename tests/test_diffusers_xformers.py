@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.events import reasons
 from helpers.packages import diffusers_dispatch
 from helpers.processes import PY, REPO, subprocess_env
 
@@ -101,9 +102,7 @@ def test_xformers_backend_gqa_with_a_mask_computes_natives_numbers(
         got = ad.dispatch_attention_fn(q, k, v, attn_mask=mask, enable_gqa=True, backend=xf)
         want = ad.dispatch_attention_fn(q, k, v, attn_mask=mask, enable_gqa=True, backend=native)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
-    assert [(e["event"], e["reason_code"]) for e in captured[1:]] == [
-        ("backend_rerouted", "cpu_tensors")
-    ]
+    assert reasons(captured[1:]) == [("backend_rerouted", "cpu_tensors")]
 
 
 # --- enable_xformers_memory_efficient_attention() without xformers -------------------------------

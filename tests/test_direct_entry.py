@@ -9,6 +9,7 @@ dispatcher, fp16/bf16 only, one dtype, head_dim <= 256). xformers is the real Py
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -18,77 +19,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.events import reasons
+from helpers.packages import STANDINS
+from helpers.tensors import flash_keep, qkv, reference
 
 import attnguard
 from attnguard import callguard, kernels, runtime
 from attnguard.observability import events
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-STANDINS = Path(__file__).resolve().parent / "standins"
-
-
-def _purge_flash_attn() -> None:
-    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
-        del sys.modules[name]
+_qkv = functools.partial(qkv, sq=6, hk=2, dtypes=(FP32, FP32, BF16))
 
 
 @pytest.fixture
-def flash_standin(monkeypatch):
-    """The flash-attn stand-in imported fresh, then attnguard activated (patching it)."""
-    attnguard.deactivate()
-    monkeypatch.syspath_prepend(str(STANDINS))
-    _purge_flash_attn()
-    import flash_attn
-
-    assert flash_attn.IS_ATTNGUARD_STANDIN
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield flash_attn
-    attnguard.deactivate()
-    _purge_flash_attn()  # other tests must not see flash_attn installed
-
-
-@pytest.fixture
-def xformers_ops():
+def xformers_ops() -> object:
     ops = pytest.importorskip("xformers.ops", reason="xformers from PyPI (pip install --no-deps)")
     attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield ops
-    attnguard.deactivate()
-    callguard.reset_latches()
-
-
-def reference(q, k, v, keep=None, bias=None, scale=None):
-    """float64 attention in flash/xformers layout (B, S, H, D); k/v may have fewer heads."""
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if bias is not None:
-        s = s + bias.double()
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
-
-
-def _causal(sq, sk, bottom_right=True):
-    i = torch.arange(sq)[:, None] + (sk - sq if bottom_right else 0)
-    return torch.arange(sk)[None, :] <= i
-
-
-def _qkv(b=2, s=6, h=4, hk=2, d=16, seed=0, dtypes=(FP32, FP32, BF16)):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, h, d, generator=g).to(dtypes[0])
-    k = torch.randn(b, s, hk, d, generator=g).to(dtypes[1])
-    v = torch.randn(b, s, hk, d, generator=g).to(dtypes[2])
-    return q, k, v
-
-
-def _events(seen):
-    return [(e["event"], e["reason_code"]) for e in seen]
+    return ops
 
 
 # --- flash_attn (stand-in) ----------------------------------------------------------------------
@@ -148,9 +95,9 @@ def test_flash_attn_func_mixed_dtypes_on_cpu(flash_standin):
     with events.capture() as seen:
         out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.3)
     assert out.dtype == BF16 and out.shape == (2, 6, 4, 16)
-    want = reference(q, k, v.float(), _causal(6, 6), scale=0.3)
+    want = reference(q, k, v.float(), flash_keep(6, 6, True), scale=0.3)
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
-    assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
+    assert reasons(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
     assert seen[0]["from"] == {"q": "float32", "k": "float32", "v": "bfloat16"}
     assert seen[0]["to"] == "bfloat16"
 
@@ -162,7 +109,7 @@ def test_flash_attn_func_returns_lse_when_asked(flash_standin):
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert out.dtype == FP32 and lse.shape == (2, 4, 6) and lse.dtype == FP32
     torch.testing.assert_close(
-        out.double(), reference(q, k, v, _causal(6, 6)), atol=1e-5, rtol=1e-5
+        out.double(), reference(q, k, v, flash_keep(6, 6, True)), atol=1e-5, rtol=1e-5
     )
 
 
@@ -179,9 +126,11 @@ def test_flash_varlen_packed_sequences_stay_apart(flash_standin):
         out = flash_attn_varlen_func(q, k, v, cu, cu, 4, 4, causal=True)
     assert out.dtype == FP16 and out.shape == (7, 4, 8)
     for a, b in ((0, 3), (3, 7)):
-        want = reference(q[None, a:b], k[None, a:b], v[None, a:b].float(), _causal(b - a, b - a))
+        want = reference(
+            q[None, a:b], k[None, a:b], v[None, a:b].float(), flash_keep(b - a, b - a, True)
+        )
         torch.testing.assert_close(out[None, a:b].double(), want, atol=3e-3, rtol=3e-3)
-    assert ("backend_rerouted", "cpu_tensors") in _events(seen)
+    assert ("backend_rerouted", "cpu_tensors") in reasons(seen)
 
 
 def test_flash_packed_functions(flash_standin):
@@ -189,7 +138,7 @@ def test_flash_packed_functions(flash_standin):
 
     q, k, v = _qkv(hk=4, dtypes=(FP32, BF16, BF16))
     out = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), causal=True)
-    want = reference(q, k.float(), v.float(), _causal(6, 6))
+    want = reference(q, k.float(), v.float(), flash_keep(6, 6, True))
     assert out.dtype == BF16
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
     qkv = torch.stack([q, k.float(), v.float()], dim=2)
@@ -206,10 +155,10 @@ def test_flash_kernel_error_recovered_when_reroute_is_off(flash_standin):
     with events.capture() as seen:
         out = flash_attn_func(q, k, v, causal=True)
         again = flash_attn_func(q, k, v, causal=True)  # latched: straight to the twin
-    want = reference(q, k, v, _causal(6, 6))
+    want = reference(q, k, v, flash_keep(6, 6, True))
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(again, out)
-    assert _events(seen) == [("kernel_error_recovered", "cpu_backend")]
+    assert reasons(seen) == [("kernel_error_recovered", "cpu_backend")]
     assert seen[0]["error"].startswith(
         "Could not run 'flash_attn::_flash_attn_forward' with arguments from the 'CPU' backend"
     )
@@ -251,7 +200,7 @@ def guard_active():
 
 
 def _xf_inputs(seed=2, dtypes=(FP32, FP32, BF16)):
-    return _qkv(b=1, s=7, h=2, hk=2, d=8, seed=seed, dtypes=dtypes)
+    return _qkv(b=1, sq=7, h=2, hk=2, d=8, seed=seed, dtypes=dtypes)
 
 
 def test_xformers_cannot_run_here_unguarded(xformers_ops):
@@ -276,7 +225,7 @@ def test_xformers_fallback_with_each_bias_type(xformers_ops, bias_kind):
         attn_bias = bias
     elif bias_kind == "lower_triangular":
         attn_bias = fmha.attn_bias.LowerTriangularMask()
-        keep = _causal(7, 7, bottom_right=False)
+        keep = flash_keep(7, 7, True)
     elif bias_kind == "block_diagonal":
         attn_bias = fmha.attn_bias.BlockDiagonalMask.from_seqlens([3, 4])
         seg = torch.tensor([0, 0, 0, 1, 1, 1, 1])
@@ -286,7 +235,7 @@ def test_xformers_fallback_with_each_bias_type(xformers_ops, bias_kind):
     assert out.dtype == BF16 and out.shape == q.shape and not torch.isnan(out).any()
     want = reference(q, k, v.float(), keep=keep, bias=bias, scale=0.4)
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
-    got = _events(seen)
+    got = reasons(seen)
     assert got[0] == ("qkv_unified", "mixed_dtypes") and got[-1] == (
         "backend_rerouted",
         "cpu_tensors",
@@ -306,7 +255,7 @@ def test_xformers_no_operator_error_recovered_when_reroute_is_off(xformers_ops):
     with events.capture() as seen:
         out = xformers_ops.memory_efficient_attention(q, k, v)
     torch.testing.assert_close(out.double(), reference(q, k, v), atol=1e-5, rtol=1e-5)
-    assert _events(seen) == [("kernel_error_recovered", "xformers_no_operator")]
+    assert reasons(seen) == [("kernel_error_recovered", "xformers_no_operator")]
     assert seen[0]["error"].startswith("No operator found for `memory_efficient_attention_forward`")
 
 
@@ -383,7 +332,7 @@ def test_var_attention_through_xformers(xformers_ops, training):
         want = attn.reference(x, bias)
     assert out.dtype == BF16 and not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
-    assert ("qkv_unified", "mixed_dtypes") in _events(seen)
+    assert ("qkv_unified", "mixed_dtypes") in reasons(seen)
 
 
 def test_var_attention_through_flash_attn(flash_standin):
@@ -395,7 +344,7 @@ def test_var_attention_through_flash_attn(flash_standin):
         want = attn.reference(x)
     assert out.dtype == BF16
     torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
-    assert _events(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
+    assert reasons(seen) == [("qkv_unified", "mixed_dtypes"), ("backend_rerouted", "cpu_tensors")]
 
 
 # --- flash-attn / xformers releases past the newest tested one ---------------------------------

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.processes import PY, subprocess_env
+from helpers.processes import PY, free_port, subprocess_env
 
 import attnguard
 from attnguard.observability import summary
@@ -49,12 +48,6 @@ else:
 """
 
 SECRET_NOTES = "the victim's own notes\n"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(log_dir: Path, port: int, rank: int, **extra: str) -> dict[str, str]:
@@ -228,7 +221,7 @@ def test_another_user_can_neither_forge_nor_take_a_jobs_summary(
     nothing is forged, nothing of the victim's is touched."""
     notes = tmp_path / "notes.txt"
     notes.write_text(SECRET_NOTES)
-    port = _free_port()
+    port = free_port()
     names = predictable_names(shared_dir, shared_dir, port, uid=os.geteuid())
 
     def attack() -> None:
@@ -259,7 +252,7 @@ def test_another_user_taking_the_temp_directory_name_costs_no_job_summary(
     as_user(other_user, lambda: (taken.mkdir(), taken.chmod(0o777)))
     errs = run_job(
         shared_dir,
-        _free_port(),
+        free_port(),
         tmp_path,
         ATTNGUARD_LOG="stderr",
         ATTNGUARD_LOG_FORMAT="json",
@@ -310,7 +303,7 @@ def test_a_rendezvous_directory_others_can_write_is_not_used(tmp_path: Path) -> 
     log_dir, notes = tmp_path / "logs", tmp_path / "notes.txt"
     log_dir.mkdir()
     notes.write_text(SECRET_NOTES)
-    port = _free_port()
+    port = free_port()
     _plant(meeting_place(log_dir, port, tmp_path), 0o777, notes)
     run_job(log_dir, port, tmp_path)
     assert notes.read_text() == SECRET_NOTES
@@ -343,7 +336,7 @@ def test_a_malformed_rank_record_is_named_not_fatal(
     """A record that is not what attnguard writes (left by anything that can write the user's
     own directory, or posted in the store) is left out and named in the job summary, which
     still comes."""
-    port = _free_port()
+    port = free_port()
     notes = tmp_path / "notes.txt"
     notes.write_text(SECRET_NOTES)
     _plant(meeting_place(tmp_path, port, tmp_path), 0o700, notes, record)
@@ -417,7 +410,7 @@ def start_jobs(tmp_path: Path, changes: dict[str, tuple[int, int]], **extra: str
     (tmp_path / "rank.py").write_text(RANK)
     env = job_env(
         logs,
-        _free_port(),
+        free_port(),
         0,
         ATTNGUARD="0",  # the launcher is not guarded (nor is torchrun's): its ranks are
         ATTNGUARD_LOG=str(logs / "ag-{pid}.jsonl"),

@@ -26,20 +26,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from helpers.events import reasons
 from helpers.models import tiny_config
 
 import attnguard
 from attnguard.observability import events
 
 FLASH = "flash_attention_2"
-
-
-@pytest.fixture
-def guard() -> Any:
-    attnguard.activate(log="none")
-    events.reset_counts()
-    yield
-    attnguard.deactivate()
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +73,7 @@ def test_an_argument_the_twins_do_not_compute_is_never_dropped(guard: Any, tmp_p
                 model(input_ids=ids)
             assert str(raised.value) == str(want)
     said = [e for e in seen if e["event"] != "activated"]
-    assert [(e["event"], e["reason_code"]) for e in said] == [
-        ("observed", "flash_argument_uncomputed")
-    ]
+    assert reasons(said) == [("observed", "flash_argument_uncomputed")]
     assert said[0]["arguments"] == ["block_scores"] and "block_scores" in said[0]["reason"]
 
 
@@ -314,7 +305,7 @@ def test_a_model_that_cannot_load_on_the_twins_fails_as_unguarded(tmp_path: Any)
     with events.capture() as seen, pytest.raises(type(unguarded.value)) as guarded:
         _NeedsFlashAttnParts.from_pretrained(tmp_path, attn_implementation=FLASH)
     assert str(guarded.value) == str(unguarded.value)
-    said = [(e["event"], e["reason_code"]) for e in seen if e["event"] != "backend_fallback"]
+    said = reasons(seen, skip=("backend_fallback",))
     assert said == [("observed", "flash_model_unrunnable")]
 
 
@@ -345,7 +336,7 @@ def test_a_model_that_cannot_load_with_the_fallback_backend_fails_as_unguarded(
     with events.capture() as seen, pytest.raises(type(unguarded.value)) as guarded:
         _VisionTowerWithoutEager.from_pretrained(tmp_path, attn_implementation=FLASH)
     assert str(guarded.value) == str(unguarded.value)
-    said = [(e["event"], e["reason_code"]) for e in seen]
+    said = reasons(seen)
     assert ("backend_fallback", "package_missing") in said  # eager was tried
     assert [x for x in said if x[0] != "backend_fallback"] == [
         ("observed", "fallback_model_unrunnable")

@@ -29,7 +29,6 @@ from workers.semantics_worker import (  # the GPU comparison's checkpoints
     make,
 )
 
-import attnguard
 from attnguard.observability import events
 
 FLASH = "flash_attention_2"
@@ -40,14 +39,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("semantics")
     make(root)  # the same seeded checkpoints the GPU comparison uses
     return {family: root / family for family in FAMILIES}
-
-
-@pytest.fixture
-def guard() -> Any:
-    attnguard.activate(log="none")
-    events.reset_counts()
-    yield
-    attnguard.deactivate()
 
 
 def load_flash(path: Any) -> Any:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.processes import PY, subprocess_env
+from helpers.processes import PY, free_port, subprocess_env
 
 # Every rank loads a tiny Llama asking for flash attention (absent on CPU: a remedy on every
 # rank, as in the issue), runs a forward, then ends its group. ``RANK1_EXIT`` picks how rank 1
@@ -48,12 +47,6 @@ if rank == 1 and os.environ.get("RANK1_EXIT") == "os._exit":
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _can_name_hosts() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return False
@@ -75,7 +68,7 @@ def launch_nodes(
     """One torchrun agent per node, each with its own private and log directories (and host
     name where it can be had); returns each agent's result."""
     (tmp_path / "worker.py").write_text(script)
-    port = _free_port()
+    port = free_port()
     named = _can_name_hosts()
     procs = []
     for node in range(nodes):

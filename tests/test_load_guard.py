@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from helpers.events import names
+from helpers.events import names, reasons
 from helpers.models import TINY_FAMILIES, logits_of, tiny_config, tiny_inputs, tiny_model_class
 from helpers.processes import PY, subprocess_env
 from packaging.version import Version
@@ -588,7 +588,7 @@ def test_strict_mode_names_the_gpu_remedy_from_the_checkpoint_dtype(
         )
     loads_fp32 = tf_version < Version("5") or ckpt_dtype == "float32"
     assert err.value.reason_code == "flash_needs_gpu"  # the first change: the placement
-    planned = [(e["event"], e["reason_code"]) for e in captured if e["event"] != "activated"]
+    planned = reasons(captured, skip=("activated",))
     assert ("model_placed", "flash_needs_gpu") in planned
     assert (("model_cast", "flash_needs_half") in planned) == loads_fp32
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from helpers.models import CLASS_DEFAULT, save_tiny
 from packaging.version import Version
 
 from attnguard.integrations.transformers.rotary import (
@@ -256,17 +257,13 @@ def test_estimate_model_bytes_is_close_to_the_real_parameter_count(shape: str) -
 
 
 def _tiny_llama(tmp_path) -> Any:
-    cfg = transformers.LlamaConfig(
+    save_tiny(
+        tmp_path / "llama",
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
         max_position_embeddings=64,
+        pad_token_id=CLASS_DEFAULT,
     )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
     return transformers.LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
 
 

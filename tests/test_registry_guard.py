@@ -8,11 +8,14 @@ below records what it received.
 
 from __future__ import annotations
 
+import functools
 import inspect
-import math
 
 import pytest
 import torch
+from helpers import tensors
+from helpers.events import reasons
+from helpers.models import save_tiny
 
 import attnguard
 from attnguard import callguard
@@ -25,33 +28,11 @@ transformers = pytest.importorskip("transformers")
 from transformers import modeling_utils  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-
-@pytest.fixture
-def guard():
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield
-    attnguard.deactivate()
-    events.reset_counts()
-    callguard.reset_latches()
+reference = functools.partial(tensors.reference, heads_first=True)  # q, k, v: (B, H, S, D)
 
 
 def registry() -> dict:
     return interface.registry_mapping(modeling_utils)
-
-
-def reference(q, k, v, keep=None, scale=None):
-    """float64 attention on (B, H, S, D), bool keep mask; output (B, S, H, D)."""
-    q, k, v = q.double(), k.double(), v.double()
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
 
 
 class Attn(torch.nn.Module):
@@ -234,7 +215,7 @@ def test_float_mask_of_another_half_dtype_is_cast(guard):
     with events.capture() as seen:
         out, _ = registry()["sdpa"](Attn(BF16), q, k, v, mask, scaling=None)
     torch.testing.assert_close(out.double(), reference(q, k, v, keep), atol=2e-2, rtol=2e-2)
-    assert [(e["event"], e["reason_code"]) for e in seen] == [("qkv_unified", "mask_dtype")]
+    assert reasons(seen) == [("qkv_unified", "mask_dtype")]
 
 
 # --- flash entry: what the kernel cannot take -> SDPA --------------------------------------------
@@ -364,24 +345,10 @@ def test_reroutes_are_counted_per_call_and_said_once(guard):
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny(
+        path, vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64
+    )
 
 
 def _load(path):

@@ -8,12 +8,11 @@ runs over a real torch.distributed gloo group of two processes.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from helpers.processes import PY, subprocess_env
+from helpers.processes import PY, free_port, subprocess_env
 
 from attnguard.observability import eventfiles, events, summary
 from attnguard.observability.advice import Facts
@@ -64,12 +63,6 @@ if mode == "finish_destroy":  # the OpenTelemetry recipe, then the usual ending,
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(
     tmp_path: Path,
     mode: str,
@@ -81,7 +74,7 @@ def _launch(
     """Two workers as torchrun starts them (same env variables), ATTNGUARD_LOG per rank."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = subprocess_env(

@@ -15,7 +15,7 @@ Run: TEST_REAL_FLASH_ATTN_DIR=/tmp/flashsite PYTHONPATH=.[:<xformers target dir>
 
 from __future__ import annotations
 
-import math
+import functools
 import sys
 
 import pytest
@@ -27,9 +27,11 @@ pytestmark = [
 ]
 
 import gpuenv  # noqa: E402
+from helpers.events import reasons  # noqa: E402
+from helpers.models import save_tiny  # noqa: E402
+from helpers.tensors import flash_keep, qkv, reference  # noqa: E402
 
 import attnguard  # noqa: E402
-from attnguard import callguard  # noqa: E402
 from attnguard.observability import events  # noqa: E402
 
 if torch.cuda.is_available():
@@ -42,6 +44,7 @@ FLASH_MSG = {
     "mixed": "query and value must have the same dtype",
     "head_dim": "FlashAttention forward only supports head dimension at most 256",
 }
+_qkv = functools.partial(qkv, sq=64, hk=2, d=64, dtypes=(FP32, FP32, BF16), device=CUDA)
 
 
 @pytest.fixture(scope="module")
@@ -56,44 +59,6 @@ def real_flash():
             "sys.path: run this file in its own pytest process"
         )
     return package
-
-
-@pytest.fixture
-def guard():
-    attnguard.activate(log="none")
-    events.reset_counts()
-    callguard.reset_latches()
-    yield
-    attnguard.deactivate()
-    callguard.reset_latches()
-
-
-def _events(seen):
-    return [(e["event"], e["reason_code"]) for e in seen]
-
-
-def reference(q, k, v, keep=None, bias=None, scale=None):
-    """float64 attention in flash layout (B, S, H, D); k/v may have fewer heads."""
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if bias is not None:
-        s = s + bias.double()
-    if keep is not None:
-        s = s.masked_fill(~keep, -math.inf)
-    return (torch.softmax(s, -1).nan_to_num(0.0) @ v).transpose(1, 2)
-
-
-def _causal(s, device=CUDA):
-    return torch.ones(s, s, dtype=torch.bool, device=device).tril()
-
-
-def _qkv(b=2, s=64, h=4, hk=2, d=64, dtypes=(FP32, FP32, BF16), seed=0):
-    g = torch.Generator(device=CUDA).manual_seed(seed)
-    mk = lambda n, dt: torch.randn(b, s, n, d, device=CUDA, generator=g).to(dt)  # noqa: E731
-    return mk(h, dtypes[0]), mk(hk, dtypes[1]), mk(hk, dtypes[2])
 
 
 # --- the real flash_attn called directly ---------------------------------------------------------
@@ -121,8 +86,10 @@ def test_flash_fp32_cast_for_the_kernel_and_back(real_flash, guard):
     with events.capture() as seen:
         out = flash_attn_func(q, k, v, causal=True)
     assert out.dtype == FP32
-    torch.testing.assert_close(out.double(), reference(q, k, v, _causal(64)), atol=2e-2, rtol=2e-2)
-    assert _events(seen) == [("qkv_unified", "fp32_into_flash")]
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, flash_keep(64, 64, True)), atol=2e-2, rtol=2e-2
+    )
+    assert reasons(seen) == [("qkv_unified", "fp32_into_flash")]
     assert seen[0]["to"] == "bfloat16"  # native bf16 on sm80+
 
 
@@ -133,9 +100,9 @@ def test_flash_mixed_dtypes_unified_and_run_by_the_kernel(real_flash, guard):
     with events.capture() as seen:
         out = flash_attn_func(q, k, v, causal=True)
     assert out.dtype == BF16
-    want = reference(q, k, v.float(), _causal(64))
+    want = reference(q, k, v.float(), flash_keep(64, 64, True))
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
-    assert _events(seen) == [("qkv_unified", "mixed_dtypes")]  # no reroute: the kernel ran
+    assert reasons(seen) == [("qkv_unified", "mixed_dtypes")]  # no reroute: the kernel ran
 
 
 def test_flash_head_dim_512_rerouted(real_flash, guard):
@@ -144,8 +111,10 @@ def test_flash_head_dim_512_rerouted(real_flash, guard):
     q, k, v = _qkv(d=512, dtypes=(BF16, BF16, BF16))
     with events.capture() as seen:
         out = flash_attn_func(q, k, v, causal=True)
-    torch.testing.assert_close(out.double(), reference(q, k, v, _causal(64)), atol=2e-2, rtol=2e-2)
-    assert _events(seen) == [("backend_rerouted", "head_dim_unsupported")]
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, flash_keep(64, 64, True)), atol=2e-2, rtol=2e-2
+    )
+    assert reasons(seen) == [("backend_rerouted", "head_dim_unsupported")]
 
 
 def test_flash_varlen_on_gpu(real_flash, guard):
@@ -159,7 +128,7 @@ def test_flash_varlen_on_gpu(real_flash, guard):
     out = flash_attn_varlen_func(q, k, v, cu, cu, 25, 25, causal=True)
     assert out.dtype == FP32
     for a, b in ((0, 15), (15, 40)):
-        want = reference(q[None, a:b], k[None, a:b], v[None, a:b], _causal(b - a))
+        want = reference(q[None, a:b], k[None, a:b], v[None, a:b], flash_keep(b - a, b - a, True))
         torch.testing.assert_close(out[None, a:b].double(), want, atol=2e-2, rtol=2e-2)
 
 
@@ -169,8 +138,10 @@ def test_devices_aligned_on_gpu(real_flash, guard):
     q, k, v = _qkv(dtypes=(BF16, BF16, BF16))
     with events.capture() as seen:
         out = flash_attn_func(q, k.cpu(), v, causal=True)
-    torch.testing.assert_close(out.double(), reference(q, k, v, _causal(64)), atol=2e-2, rtol=2e-2)
-    assert _events(seen) == [("tensors_aligned", "device_mismatch")]
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, flash_keep(64, 64, True)), atol=2e-2, rtol=2e-2
+    )
+    assert reasons(seen) == [("tensors_aligned", "device_mismatch")]
 
 
 @pytest.mark.multigpu
@@ -182,7 +153,7 @@ def test_devices_aligned_across_gpus(real_flash, guard):
     with events.capture() as seen:
         out = flash_attn_func(q, k.to("cuda:1"), v, causal=True)
     assert out.device == q.device
-    assert _events(seen) == [("tensors_aligned", "device_mismatch")]
+    assert reasons(seen) == [("tensors_aligned", "device_mismatch")]
 
 
 # --- transformers registry with a real model ----------------------------------------------------
@@ -190,24 +161,8 @@ def test_devices_aligned_across_gpus(real_flash, guard):
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     path = tmp_path_factory.mktemp("tiny_llama_gpu")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny(path, hidden_size=128, intermediate_size=256, max_position_embeddings=256)
 
 
 def _model(path, impl, dtype):
@@ -267,7 +222,7 @@ def test_flash_model_in_fp32_runs_through_cast(real_flash, guard, tiny_llama_dir
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=5e-2, rtol=5e-2)
     assert gen_got.shape == gen_want.shape
-    assert ("qkv_unified", "fp32_into_flash") in _events(seen)
+    assert ("qkv_unified", "fp32_into_flash") in reasons(seen)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
@@ -288,9 +243,9 @@ def test_mixed_dtypes_through_registry_entries(guard, tiny_llama_dir, impl, requ
         out, _ = fn(layer, q, k, v, None, scaling=None)
     assert out.dtype == BF16
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    want = reference(t(q), t(k), t(v).float(), _causal(32))
+    want = reference(t(q), t(k), t(v).float(), flash_keep(32, 32, True))
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
-    assert _events(seen) == [("qkv_unified", "mixed_dtypes")]  # the kernel itself ran
+    assert reasons(seen) == [("qkv_unified", "mixed_dtypes")]  # the kernel itself ran
 
 
 def test_flash_registry_output_attentions_rerouted(real_flash, guard, tiny_llama_dir):
@@ -307,10 +262,13 @@ def test_flash_registry_output_attentions_rerouted(real_flash, guard, tiny_llama
         out, weights = fn(layer, q, k[:, :2], v[:, :2], None, scaling=None, output_attentions=True)
     assert weights is not None and weights.shape == (1, 4, 16, 16)
     want = reference(
-        q.transpose(1, 2), k[:, :2].transpose(1, 2), v[:, :2].transpose(1, 2), _causal(16)
+        q.transpose(1, 2),
+        k[:, :2].transpose(1, 2),
+        v[:, :2].transpose(1, 2),
+        flash_keep(16, 16, True),
     )
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
-    assert _events(seen) == [("backend_rerouted", "output_attentions")]
+    assert reasons(seen) == [("backend_rerouted", "output_attentions")]
 
 
 def test_sdpa_no_available_kernel_recovered(guard):
@@ -326,9 +284,11 @@ def test_sdpa_no_available_kernel_recovered(guard):
     q, k, v = (torch.randn(1, 2, 32, 64, device=CUDA, generator=g) for _ in range(3))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), events.capture() as seen:  # no fp32 flash
         out, _ = fn(module, q, k, v, None, scaling=None)
-    want = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), _causal(32))
+    want = reference(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), flash_keep(32, 32, True)
+    )
     torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
-    assert _events(seen) == [("kernel_error_recovered", "no_sdpa_kernel")]
+    assert reasons(seen) == [("kernel_error_recovered", "no_sdpa_kernel")]
 
 
 def test_compiled_flash_model_has_no_graph_breaks(real_flash, guard, tiny_llama_dir):
@@ -367,17 +327,17 @@ def test_xformers_broken_ops_carried_by_the_fallback(guard, xformers_ops):
     xops = xformers_ops
     from xformers.ops import fmha
 
-    q, k, v = _qkv(b=1, s=48, h=4, hk=4, d=64, dtypes=(FP32, FP32, FP16))
+    q, k, v = _qkv(b=1, sq=48, h=4, hk=4, d=64, dtypes=(FP32, FP32, FP16))
     bias = fmha.attn_bias.LowerTriangularMask()
     with events.capture() as seen:
         out = xops.memory_efficient_attention(q, k, v, attn_bias=bias)
         again = xops.memory_efficient_attention(q, k, v, attn_bias=bias)
-    keep = _causal(48)
+    keep = flash_keep(48, 48, True)
     want = reference(q, k, v.float(), keep)
     assert out.dtype == FP16
     torch.testing.assert_close(out.double(), want, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(again, out)
-    got = _events(seen)
+    got = reasons(seen)
     assert got[0] == ("qkv_unified", "mixed_dtypes")
     # Either the ops loaded and ran, or they did not and the twin carried the call: recovered
     # once, then the site's next call goes straight to the twin (counted per call)
@@ -404,4 +364,4 @@ def test_var_attention_on_gpu(guard, backend, request):
         want = attn.reference(x)
     assert out.dtype == BF16 and not torch.isnan(out).any()
     torch.testing.assert_close(out.double(), want, atol=5e-2, rtol=5e-2)
-    assert ("qkv_unified", "mixed_dtypes") in _events(seen)
+    assert ("qkv_unified", "mixed_dtypes") in reasons(seen)

@@ -19,26 +19,24 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.models import CLASS_DEFAULT, tiny_config
+from helpers.processes import PY, REPO, subprocess_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "torchrun_vl.py"
-PY = sys.executable
 
 if torch.cuda.device_count() < 2:
     pytest.skip("needs two or more CUDA GPUs", allow_module_level=True)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = subprocess_env()
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -198,13 +196,12 @@ def test_a_single_process_split_over_both_gpus_is_left_alone(runs) -> None:
 def _tiny_llama_over_two_gpus() -> Any:
     import transformers
 
-    cfg = transformers.LlamaConfig(
+    cfg = tiny_config(
+        "llama",
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
+        max_position_embeddings=CLASS_DEFAULT,
+        pad_token_id=CLASS_DEFAULT,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval().to("cuda:0")
@@ -271,14 +268,7 @@ def test_the_job_summary_counts_both_ranks_after_destroy_process_group(tmp_path:
         pytest.skip("attnguard's start-up hook is not installed (pip install . on this machine)")
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    config = tiny_config("llama", max_position_embeddings=CLASS_DEFAULT, pad_token_id=CLASS_DEFAULT)
     model_dir = tmp_path / "tiny-llama"
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
     script = tmp_path / "destroy.py"

@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 import semantics_worker  # noqa: E402  (the same checkpoints and inputs as the semantics tests)
+from helpers.processes import first_line  # noqa: E402
 
 # the decoders of the semantics tests, and ModernBERT: its model file imports flash-attn's layers
 # at module import on 4.49-5.0
@@ -65,10 +67,6 @@ def make(root: Path) -> None:
     )
     torch.manual_seed(0)
     transformers.AutoModelForMaskedLM.from_config(config).save_pretrained(root / "modernbert")
-
-
-def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def flash_modules() -> list[str]:

@@ -31,9 +31,13 @@ import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.processes import first_line  # noqa: E402
 
 
 def tiny_flux(seed: int = 0) -> Any:
@@ -154,10 +158,6 @@ def run(model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         return model(**inputs)[0].float().cpu()
 
 
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--guard", choices=("import", "none"), default="none")
@@ -211,7 +211,7 @@ def main() -> None:
             if args.save:
                 torch.save({"out": got_out, "native": ref}, args.save)
         except Exception as exc:
-            out["error"] = _first_line(exc)
+            out["error"] = first_line(exc, 200)
     out["events"] = [
         {k: e.get(k) for k in ("event", "site", "reason_code", "applied", "reason")}
         for e in got

@@ -24,54 +24,23 @@ events attnguard emitted).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-LENGTHS = (5, 7, 4)
-
-
-def _llama(transformers: Any) -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-    )
-
-
-def _standin() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "hub_standin", HERE.parent / "standins" / "hub_kernel.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def make(root: Path) -> None:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(_llama(transformers)).save_pretrained(root / "llama")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hub_worker beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.models import save_tiny  # noqa: E402
+from helpers.packages import hub_standin  # noqa: E402
+from helpers.processes import first_line  # noqa: E402
+from hub_worker import _batches  # noqa: E402  (the same batches as the hub tests)
 
 
 def _logits(torch: Any, model: Any) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 128, (2, 9), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    packed = torch.randint(3, 128, (1, sum(LENGTHS)), generator=g)
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    b = _batches(torch, "cpu")
+    ids, mask, packed, positions = b["ids"], b["mask"], b["packed"], b["positions"]
     with torch.no_grad():
         return {
             "plain": model(input_ids=ids).logits,
@@ -80,12 +49,12 @@ def _logits(torch: Any, model: Any) -> dict[str, Any]:
         }
 
 
+def make(root: Path) -> None:
+    save_tiny(root / "llama", max_position_embeddings=256)
+
+
 def _calls(path: str) -> list[str]:
     return Path(path).read_text().split() if path and Path(path).exists() else []
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def run(mode: str, root: Path, out: Path, scenario: str) -> dict[str, Any]:
@@ -106,26 +75,26 @@ def run(mode: str, root: Path, out: Path, scenario: str) -> dict[str, Any]:
     logits: dict[str, Any] = {}
     name = "kernels-community/flash-local" if scenario == "own" else "kernels-community/flash-attn2"
     if scenario == "fresh":
-        _standin().write_repo(Path(os.environ["RETRY_REPO"]))
+        hub_standin().write_repo(Path(os.environ["RETRY_REPO"]))
     attempts = 2 if scenario == "retry" else 1
     for attempt in range(attempts):
         load: dict[str, Any] = {}
         if attempt == 1:  # the build is there now, and the library tries again
-            _standin().write_repo(Path(os.environ["RETRY_REPO"]))
+            hub_standin().write_repo(Path(os.environ["RETRY_REPO"]))
             from transformers.integrations import hub_kernels
 
             try:
                 kernel = hub_kernels.load_and_register_attn_kernel(name)
                 load["loader_returned"] = getattr(kernel, "IS_ATTNGUARD_STANDIN", False)
             except Exception as exc:
-                load["loader_error"] = _first_line(exc)
+                load["loader_error"] = first_line(exc)
         before = len(_calls(calls))
         try:
             model = cls.from_pretrained(root / "llama", attn_implementation=name)
             load["attn"] = model.config._attn_implementation
             logits = _logits(torch, model)
         except Exception as exc:
-            load["error"] = _first_line(exc)
+            load["error"] = first_line(exc)
         load["calls"] = sorted(set(_calls(calls)[before:]))
         result["loads"].append(load)
     torch.save(logits, out / f"{mode}-{scenario}.pt")

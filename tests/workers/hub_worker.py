@@ -21,27 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.models import save_tiny  # noqa: E402
+from helpers.processes import first_line  # noqa: E402
 
 FLASH = "flash_attention_2"
 HUB = "kernels-community/flash-attn2"
 LENGTHS = (5, 7, 4)
-
-
-def _llama_config() -> Any:
-    import transformers
-
-    return transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-    )
 
 
 def _gpt_oss_config() -> Any:
@@ -66,8 +56,7 @@ def make(root: Path) -> None:
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(_llama_config()).save_pretrained(root / "llama")
+    save_tiny(root / "llama", max_position_embeddings=256)
     if hasattr(transformers, "GptOssForCausalLM"):
         torch.manual_seed(0)
         model = transformers.GptOssForCausalLM(_gpt_oss_config())
@@ -75,10 +64,6 @@ def make(root: Path) -> None:
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
         model.save_pretrained(root / "gpt_oss")
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def _batches(torch: Any, device: str) -> dict[str, Any]:
@@ -148,7 +133,7 @@ def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -
 
         out["kernels"] = kernels.__version__
     except Exception as exc:
-        out["kernels"] = _first_line(exc)
+        out["kernels"] = first_line(exc)
 
     def load(cls: Any, path: Path, attn: str, switch: bool = False) -> Any:
         if switch:
@@ -196,7 +181,7 @@ def run(mode: str, root: Path, calls: Path, device: str, scenarios: list[str]) -
                 result["errors_vs_fp32"] = _errors(torch, model, eager32, batches)
                 result["eager_vs_fp32"] = _errors(torch, eager, eager32, batches)
         except Exception as exc:
-            result["error"] = _first_line(exc)
+            result["error"] = first_line(exc)
         result["calls"] = _calls(calls)[before:]
         result["events"] = [
             {k: e.get(k) for k in ("event", "reason_code", "rule", "reason", "hub_kernel")}

@@ -79,14 +79,10 @@ if late:
     try:
         import transformers
 
-        config = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from helpers.models import tiny_config  # the race is over: tests/ on the path now
+
+        config = tiny_config("llama", num_hidden_layers=1)
         transformers.AutoModelForCausalLM.from_config(
             config, attn_implementation="flash_attention_2"
         )

@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.processes import first_line  # noqa: E402
+
 FLASH = "flash_attention_2"
 UTILS = "transformers.modeling_flash_attention_utils"
 ENTRY = "transformers.integrations.flash_attention"
@@ -147,10 +150,6 @@ def _fake_version(version: str) -> None:
         return version if name.lower() == "transformers" else real(name)
 
     importlib.metadata.version = version_of  # type: ignore[assignment]
-
-
-def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def main() -> None:

@@ -34,6 +34,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+from helpers.models import tiny_config  # noqa: E402
+
 FLASH = "flash_attention_2"
 WINDOW = 4
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
@@ -55,36 +58,19 @@ def flash_window_left(sliding_window: int) -> int:
 
 
 def config(family: str) -> Any:
-    import transformers
-
-    common = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if family == "mistral":
-        return transformers.MistralConfig(**common, sliding_window=WINDOW)
-    if family == "gemma2":
-        return transformers.Gemma2Config(
-            **common,
+    extra: dict[str, dict[str, Any]] = {
+        "mistral": dict(sliding_window=WINDOW),
+        "gemma2": dict(
             head_dim=16,
             sliding_window=WINDOW,
             attn_logit_softcapping=5.0,
             final_logit_softcapping=None,
             query_pre_attn_scalar=16,
-        )
-    raise ValueError(family)
+        ),
+    }
+    if family not in FAMILIES:
+        raise ValueError(family)
+    return tiny_config(family, max_position_embeddings=256, **extra.get(family, {}))
 
 
 def make(root: Path) -> None:
