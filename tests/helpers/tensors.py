@@ -25,12 +25,18 @@ LSE_TOL = {"atol": 1e-5, "rtol": 1e-5}  # softmax_lse is float32
 
 
 def rand(
-    *shape: int, dtype: torch.dtype = F32, seed: int = 0, device: Any = None, grad: bool = False
+    *shape: int,
+    dtype: torch.dtype = F32,
+    seed: int = 0,
+    device: Any = None,
+    requires_grad: bool = False,
+    draw: torch.dtype | None = F32,
 ) -> torch.Tensor:
-    """Seeded normal values drawn in float32 (the same numbers in every dtype), then cast."""
+    """Seeded normal values drawn in ``draw`` (float32: the same numbers in every dtype; None:
+    drawn in ``dtype`` itself), then cast to ``dtype``."""
     g = torch.Generator(device=device or "cpu").manual_seed(seed)
-    t = torch.randn(*shape, generator=g, dtype=F32, device=device).to(dtype)
-    return t.requires_grad_(grad)
+    t = torch.randn(*shape, generator=g, dtype=draw or dtype, device=device).to(dtype)
+    return t.requires_grad_(requires_grad)
 
 
 def qkv(
@@ -171,8 +177,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.double(), ref, **TOL[dtype])
 
 
-def compile_whole(fn, *args):
-    """Assert ``fn(*args)`` traces as one graph; return (compiled result, eager result).
+def one_graph(fn: Any, *args: Any) -> Any:
+    """Assert ``fn(*args)`` traces as one graph with no break; return it compiled.
 
     ``explain`` counts the breaks; ``fullgraph=True`` also catches data-dependent guards that
     explain may not count. The "eager" backend keeps it fast: Dynamo still captures the whole
@@ -183,11 +189,17 @@ def compile_whole(fn, *args):
     reasons = [str(b.reason).splitlines()[0] for b in explanation.break_reasons]
     assert explanation.graph_break_count == 0, reasons
     assert explanation.graph_count == 1
-    compiled = torch.compile(fn, backend="eager", fullgraph=True)
-    return compiled(*args), fn(*args)
+    return torch.compile(fn, backend="eager", fullgraph=True)
 
 
-def assert_same(got, want):
+def compile_whole(fn: Any, *args: Any) -> tuple[Any, Any]:
+    """Assert ``fn(*args)`` traces as one graph (one_graph); return (compiled result, eager
+    result)."""
+    return one_graph(fn, *args)(*args), fn(*args)
+
+
+def assert_same(got: Any, want: Any) -> None:
+    """Compiled and eager results: equal to the bit, no NaN (None where eager gave None)."""
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     assert len(got) == len(want)
