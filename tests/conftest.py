@@ -60,6 +60,7 @@ TORCH = {
     "test_fallback_xformers.py",
     "test_kvcache_twin.py",
     "test_torch_releases.py",
+    "test_twin_determinism.py",
     "test_twin_routes.py",
     "test_varlen_packed.py",
 }
@@ -164,6 +165,25 @@ def dynamo_reset() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """torch's flash kernel 'available' on CPU, computed by its float64 emulation
+    (tests/helpers/torch_flash.py); the calls it received are recorded."""
+    from helpers.torch_flash import fake_flash_op
+
+    from attnguard.fallback import torch_flash
+
+    calls: list[dict[str, Any]] = []
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return fake_flash_op(*args, **kwargs)
+
+    monkeypatch.setattr(torch_flash, "_OP", op)
+    monkeypatch.setattr(torch_flash, "can_run", lambda *a, **k: True)
+    return calls
 
 
 @pytest.fixture(scope="session")
