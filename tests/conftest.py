@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -184,6 +185,68 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     monkeypatch.setattr(torch_flash, "_OP", op)
     monkeypatch.setattr(torch_flash, "can_run", lambda *a, **k: True)
     return calls
+
+
+# --- kernel selection (ATTNGUARD_KERNEL=fastest) stood in on a CPU: tests/helpers/selection.py --
+
+
+@pytest.fixture
+def disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, captured: list[dict[str, Any]]) -> Any:
+    """The kernel-decision cache under tmp_path, for one causal call's bucket: its ``call``,
+    ``path``, folder (``dir``, ``cache``) and the ``events`` emitted."""
+    from helpers.selection import FP, dense
+
+    from attnguard.selection import cache, decisions
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    decisions.reset()
+    monkeypatch.setattr(cache, "fingerprint", lambda version: FP)
+    attnguard.activate(log="none")
+    call = dense(causal=True)
+    folder = cache.Disk(cache.cache_root(), FP)
+    path = os.path.join(folder.path, cache.bucket_id(call.bucket) + ".json")
+    yield SimpleNamespace(call=call, path=path, events=captured, dir=folder.path, cache=folder)
+    decisions.reset()
+
+
+@pytest.fixture
+def stand_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, captured: list[dict[str, Any]]
+) -> Any:
+    """The fingerprint and the race stood in on CPU (each race "measures" ``sdpa`` faster and is
+    counted); ``serve`` answers with the kernel name that computes a call."""
+    from helpers.selection import ENTRY, FP, FakeCuda, served_name
+
+    from attnguard.selection import buckets, cache, decisions
+    from attnguard.selection.buckets import REQUESTED
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    decisions.reset()
+    monkeypatch.setattr(cache, "fingerprint", lambda version: FP)
+    raced = []
+
+    def fake_race(*args: Any, **kwargs: Any) -> Any:
+        raced.append(args)
+        return decisions.Decision("sdpa", {"sdpa": "1.50x"}, {"sdpa": {"ms": 1.0}})
+
+    monkeypatch.setattr(decisions, "_race", fake_race)
+    attnguard.activate(log="none")
+
+    def serve(opts: Any = None, **call: Any) -> str:
+        args = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), **call}
+        impl = decisions.serve(ENTRY, (), args, opts or decisions.Options(version="0"))
+        return REQUESTED if impl is None else served_name(impl)
+
+    def disk_has(winner: str, **call: Any) -> Any:
+        args = {"q": FakeCuda(4, 4096, 32, 128), "k": FakeCuda(4, 4096, 8, 128), **call}
+        described = buckets.describe("flash_attn_func", args)
+        decision = decisions.Decision(winner, {winner: "1.50x"}, {winner: {"ms": 1.0}})
+        disk = cache.Disk(cache.cache_root(), FP)
+        assert disk.write_first(described, decision).winner == winner
+        return described
+
+    yield SimpleNamespace(serve=serve, disk_has=disk_has, raced=raced, events=captured)
+    decisions.reset()
 
 
 @pytest.fixture(scope="session")

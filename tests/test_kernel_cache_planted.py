@@ -10,12 +10,10 @@ import json
 import math
 
 import pytest
-from test_kernel_selection import FP, _write, disk, ignored
+from helpers.selection import FP, ignored, write_file
 
 from attnguard.observability.sinks import render_json
 from attnguard.selection import cache, decisions
-
-__all__ = ["disk"]  # the fixture used here
 
 HUGE = int("9" * 400)  # valid JSON; too large for a float
 
@@ -39,7 +37,7 @@ def _good(call):
 def test_planted_numbers_never_raise_nor_reach_events_unfinite(disk, change):
     """An integer too large for a float raised OverflowError out of the read (the requested
     kernel then ran with an internal error at every call, the file read again each time)."""
-    _write(disk.path, json.dumps({**_good(disk.call), **change}))
+    write_file(disk.path, json.dumps({**_good(disk.call), **change}))
     found = disk.cache.read(disk.call)
     assert found is not None and found.winner == "sdpa"
     assert math.isfinite(found.call_ms())
@@ -52,7 +50,7 @@ def test_planted_numbers_never_raise_nor_reach_events_unfinite(disk, change):
 
 
 def test_write_first_over_a_planted_file_never_raises(disk):
-    _write(disk.path, json.dumps({**_good(disk.call), "cost": {"race_s": HUGE}}))
+    write_file(disk.path, json.dumps({**_good(disk.call), "cost": {"race_s": HUGE}}))
     mine = decisions.Decision("requested", {}, {"requested": {"ms": 1.0}})
     on_disk = disk.cache.write_first(disk.call, mine)
     assert on_disk is not None and on_disk.winner == "sdpa" and on_disk.cost == {}
