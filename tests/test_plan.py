@@ -1,112 +1,38 @@
-"""The pure load-time planner as a table: injected facts for H100 (9.0), A100 (8.0), V100 (7.0),
-T4 (7.5) and a machine without GPU; every row of plan.TABLE; deliberate-init contexts; explicit
-device_map; quantization; per-sub-config requests; disabled remedies; fp32_policy=fallback.
-Also ``attnguard doctor``, which must print the same planner's answer."""
+"""The pure load-time planner as a table, on injected facts (tests/helpers/plans.py): families A
+and E on GPUs that run flash, family B below sm80, family C (several processes spreading a
+device_map), an explicit choice, several ranks, deliberate-init contexts, quantization and
+explicit placement, models built in code, disabled remedies, nothing wrong; every row of
+plan.TABLE exercised; reasons; fp32_policy=fallback. Flash-attn missing, broken or elsewhere and
+VLM sub-config requests: tests/test_plan_flash_state.py; ``attnguard doctor``, which prints the
+same planner's answer: tests/test_doctor_plan.py."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any
 
 import pytest
+from helpers.plans import (
+    CAST_H100,
+    FLASH,
+    PLACE,
+    TW,
+    VERL_RANK0,
+    S,
+    machine,
+    req,
+    summary,
+    twins,
+)
 
-from attnguard import doctor
 from attnguard import facts as F
 from attnguard.config import Settings
 from attnguard.observability import events
-from attnguard.plan import TABLE, LoadRequest, Plan, plan_backend, plan_load
+from attnguard.plan import TABLE, LoadRequest, plan_backend, plan_load
 
-FLASH = "flash_attention_2"
-GPUS = {"H100": (9, 0), "A100": (8, 0), "V100": (7, 0), "T4": (7, 5)}
-
-
-def machine(
-    gpu: str | None,
-    *,
-    n: int = 1,
-    flash: str | F.PackageState | None = "2.8.3",
-    init: F.InitContext | None = None,
-    launch: F.Launch | None = None,
-    installed_extra: dict[str, Any] | None = None,
-    **kw: Any,
-) -> F.Facts:
-    """Injected facts of one machine, judged by the same facts.assess_backend as real ones."""
-    caps = (GPUS[gpu],) * n if gpu else ()
-    installed = {} if flash is None else {FLASH: flash}
-    installed.update(installed_extra or {})
-    return F.synthetic(
-        caps, installed=installed, gpu_name=gpu or "", init=init, launch=launch, **kw
-    )
-
-
-def req(**kw: Any) -> LoadRequest:
-    base = {
-        "model": "Qwen2ForCausalLM",
-        "attn_implementation": FLASH,
-        "dtype": None,
-        "flash_path_on_twins": True,
-    }
-    return LoadRequest(**{**base, **kw})
-
-
-def summary(plan: Plan) -> list[tuple[str, str, str]]:
-    return [(a.rule, a.event, a.reason_code) for a in plan.actions]
-
-
-S = Settings()
-TW = "sdpa"  # Plan.kernels when flash's code path runs on attnguard's SDPA twins
-CAST_H100 = ("fp32-cast", "model_cast", "flash_needs_half")
-PLACE = ("place-gpu", "model_placed", "flash_needs_gpu")
-
-
-def twins(code: str) -> tuple[str, str, str]:
-    return ("flash-on-sdpa", "backend_fallback", code)
-
-
-def unusable(code: str) -> tuple[str, str, str]:
-    return ("flash-unusable", "backend_fallback", code)
-
-
-VERL_RANK0 = F.InitContext(default_device="cpu", device_context="cpu")
 # (id, facts, request, settings, expected actions as (rule, event, reason_code), load with)
 # "load with" = (attn_implementation, kernels, dtype to inject, device to place on)
-ASIDE = ("flash-path-unrecognised", "observed", "flash_path_unrecognised")
 CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]], tuple]] = [
-    # --- a transformers release whose flash path attnguard does not recognise ---------------------
-    (
-        "CPU, flash-attn missing, flash path unrecognised: no backend changed",
-        machine(None),
-        req(flash_path_on_twins=False, flash_path_unrecognised="no _lazy_imports"),
-        S,
-        [ASIDE],
-        (FLASH, None, None, None),
-    ),
-    (
-        "V100, flash path unrecognised: the backend stays (placement and dtype as flash would need)",
-        machine("V100"),
-        req(flash_path_on_twins=False, flash_path_unrecognised="no _lazy_imports"),
-        S,
-        [ASIDE, PLACE, ("fp32-cast", "model_cast", "flash_needs_half")],
-        (FLASH, None, "float16", "cuda:0"),
-    ),
-    # --- a model whose flash request transformers routes to another kernel --------------------------
-    (
-        "CPU, routed to a sinks kernel the twins compute: twins, naming it",
-        machine(None),
-        req(flash_routed_to="kernels-community/vllm-flash-attn3"),
-        S,
-        [twins("no_cuda")],
-        (FLASH, TW, None, None),
-    ),
-    (
-        "CPU, routed, and its attention passes what the twins do not compute",
-        machine(None),
-        req(flash_routed_to="MiniMaxAI/msa", flash_uncomputed=("block_indices",)),
-        S,
-        [("flash-args-uncomputed", "observed", "flash_argument_uncomputed")],
-        (FLASH, None, None, None),
-    ),
     # --- family A / E on GPUs that run flash: nobody chose the dtype -----------------------------
     (
         "H100 fp32 no device_map",
@@ -336,149 +262,6 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         [twins("capability_too_low"), PLACE],
         (FLASH, TW, None, "cuda:0"),
     ),
-    # --- flash missing / broken / old / failing ---------------------------------------------------
-    (
-        "no GPU, flash-attn missing: nothing cast on a CPU machine",
-        machine(None, flash=None),
-        req(),
-        S,
-        [twins("package_missing")],
-        (FLASH, TW, None, None),
-    ),
-    (
-        "no GPU, flash-attn installed",
-        machine(None),
-        req(),
-        S,
-        [twins("no_cuda")],
-        (FLASH, TW, None, None),
-    ),
-    (
-        "H100, flash-attn extension broken: the run flash would have had",
-        machine(
-            "H100",
-            flash=F.PackageState(
-                True, "2.8.3", import_error="ImportError: undefined symbol: _ZN3c10"
-            ),
-        ),
-        req(),
-        S,
-        [twins("extension_broken"), PLACE, CAST_H100],
-        (FLASH, TW, "bfloat16", "cuda:0"),
-    ),
-    (
-        "H100, flash-attn missing: the run flash would have had",
-        machine("H100", flash=None),
-        req(),
-        S,
-        [twins("package_missing"), PLACE, CAST_H100],
-        (FLASH, TW, "bfloat16", "cuda:0"),
-    ),
-    (
-        "H100, flash-attn too old",
-        machine("H100", flash="2.0.9"),
-        req(dtype="bfloat16"),
-        S,
-        [twins("version_too_old"), PLACE],
-        (FLASH, TW, None, "cuda:0"),
-    ),
-    (
-        "H100, tiny flash call fails",
-        machine("H100", flash=F.PackageState(True, "2.8.3", probe_error="RuntimeError: no kernel")),
-        req(dtype="bfloat16"),
-        S,
-        [twins("probe_failed"), PLACE],
-        (FLASH, TW, None, "cuda:0"),
-    ),
-    (
-        "A100, flash_attention_4 below its sm90 floor: FA2's path on the twins",
-        machine("A100", flash=None, installed_extra={"flash_attention_4": "4.0.0b1"}),
-        req(attn_implementation="flash_attention_4", dtype="bfloat16"),
-        S,
-        [twins("capability_too_low"), PLACE],
-        (FLASH, TW, None, "cuda:0"),
-    ),
-    (
-        "paged| prefix keeps its path",
-        machine(None, flash=None),
-        req(attn_implementation="paged|flash_attention_2"),
-        S,
-        [twins("package_missing")],
-        ("paged|flash_attention_2", TW, None, None),
-    ),
-    (
-        "V100, twins do not cover this transformers: sdpa, left where its caller puts it (nothing "
-        "of the request needs a GPU any more: no placement, and no cast of a model on the CPU)",
-        machine("V100"),
-        req(flash_path_on_twins=False),
-        S,
-        [unusable("capability_too_low")],
-        ("sdpa", None, None, None),
-    ),
-    (
-        "H100 bf16, the model class has no flash support: sdpa, not placed",
-        machine("H100"),
-        req(dtype="bfloat16", supports_flash=False),
-        S,
-        [("flash-unsupported", "backend_fallback", "model_unsupported")],
-        ("sdpa", None, None, None),
-    ),
-    (
-        "twins do not cover this transformers: transformers' sdpa",
-        machine(None, flash=None),
-        req(flash_path_on_twins=False),
-        S,
-        [unusable("package_missing")],
-        ("sdpa", None, None, None),
-    ),
-    (
-        "twins do not cover it and the model has no sdpa (Gemma 2 on 5.x): eager",
-        machine(None, flash=None),
-        req(flash_path_on_twins=False, supports_sdpa=False),
-        S,
-        [unusable("package_missing")],
-        ("eager", None, None, None),
-    ),
-    (
-        "Gemma 2 on 5.x (no sdpa) with the twins: flash's own path",
-        machine(None, flash=None),
-        req(supports_sdpa=False),
-        S,
-        [twins("package_missing")],
-        (FLASH, TW, None, None),
-    ),
-    (
-        "ATTNGUARD_FALLBACK=eager first",
-        machine(None, flash=None),
-        req(),
-        Settings(fallback=("eager", "sdpa")),
-        [unusable("package_missing")],
-        ("eager", None, None, None),
-    ),
-    (
-        "model class without flash support",
-        machine("H100"),
-        req(dtype="bfloat16", device_map={"": 0}, supports_flash=False),
-        S,
-        [("flash-unsupported", "backend_fallback", "model_unsupported")],
-        ("sdpa", None, None, None),
-    ),
-    (
-        "no usable fallback backend",
-        machine(None, installed_extra={"flex_attention": F.PackageState(True, import_error="x")}),
-        req(),
-        Settings(fallback=("flex_attention",)),
-        [("no-fallback", "observed", "no_fallback_usable")],
-        (FLASH, None, None, None),
-    ),
-    (
-        "fallback list skips an unusable entry",
-        machine(None, installed_extra={"flex_attention": F.PackageState(True, import_error="x")}),
-        req(),
-        Settings(fallback=("flex_attention", "eager")),
-        [unusable("no_cuda")],
-        ("eager", None, None, None),
-    ),
     # --- deliberate init, quantized, explicit placement: observe only -----------------------------
     (
         "H100 fp32 under ZeRO-3",
@@ -601,53 +384,6 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         [("explicit-placement", "observed", "explicit_placement")],
         (FLASH, None, None, None),
     ),
-    # --- VLM per-sub-config requests -----------------------------------------------------------------
-    (
-        "dict: the flash sub-config keeps flash's path on the twins",
-        machine(None, flash=None),
-        req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
-        S,
-        [twins("package_missing")],
-        ({"text_config": FLASH, "vision_config": "sdpa"}, TW, None, None),
-    ),
-    (
-        "dict without twins: only the flash sub-config falls back",
-        machine(None, flash=None),
-        req(
-            attn_implementation={"text_config": FLASH, "vision_config": "sdpa"},
-            flash_path_on_twins=False,
-        ),
-        S,
-        [unusable("package_missing")],
-        ({"text_config": "sdpa", "vision_config": "sdpa"}, None, None, None),
-    ),
-    (
-        "dict: two flash sub-configs, two decisions",
-        machine(None, flash=None),
-        req(
-            attn_implementation={"": FLASH, "vision_config": FLASH, "text_config": "eager"},
-            flash_path_on_twins=False,
-        ),
-        S,
-        [unusable("package_missing")] * 2,
-        ({"": "sdpa", "vision_config": "sdpa", "text_config": "eager"}, None, None, None),
-    ),
-    (
-        "dict on H100: the flash text tower makes the model half",
-        machine("H100"),
-        req(attn_implementation={"text_config": FLASH, "vision_config": "sdpa"}),
-        S,
-        [PLACE, CAST_H100],
-        ({"text_config": FLASH, "vision_config": "sdpa"}, None, "bfloat16", "cuda:0"),
-    ),
-    (
-        "dict on H100, fp32_policy=fallback: only the flash entry changes",
-        machine("H100"),
-        req(attn_implementation={"text_config": FLASH, "vision_config": "eager"}),
-        Settings(fp32_policy="fallback"),
-        [PLACE, ("fp32-fallback", "backend_fallback", "flash_needs_half")],
-        ({"text_config": "sdpa", "vision_config": "eager"}, None, None, "cuda:0"),
-    ),
     # --- disabled remedies -------------------------------------------------------------------------
     (
         "fallback disabled",
@@ -752,7 +488,10 @@ def test_decision_table(case: tuple) -> None:
 
 @pytest.mark.smoke
 def test_every_table_row_is_exercised() -> None:
-    seen = {a.rule for _n, f, r, s, _e, _w in CASES for a in plan_load(r, f, s).actions}
+    from test_plan_flash_state import CASES as FLASH_STATE  # the table's other half
+
+    cases = [*CASES, *FLASH_STATE]
+    seen = {a.rule for _n, f, r, s, _e, _w in cases for a in plan_load(r, f, s).actions}
     assert seen == {r.id for r in TABLE}
 
 
@@ -824,53 +563,6 @@ def test_effective_dtype() -> None:
     assert req(dtype="auto", checkpoint_dtype="bfloat16").effective_dtype == "bfloat16"
     assert req(dtype=None, default_dtype="auto").effective_dtype is None
     assert req(dtype="float16").effective_dtype == "float16"
-
-
-# --- attnguard doctor: the same planner, on this machine -----------------------------------------
-
-
-def test_doctor_json_plans_with_the_guard_planner() -> None:
-    """The plan doctor shows is the planner's for the request it names, on this machine's facts
-    with the settings a guarded run here would use (built here from the public pieces, not from
-    doctor's own helpers)."""
-    from attnguard import config
-    from attnguard.plan import flash_fp32_request
-
-    data = json.loads(doctor.render(as_json=True))
-    here = F.current()
-    path = data["flash_path"]
-    request = flash_fp32_request(
-        flash_path_on_twins=path["kept_on_twins"], flash_path_unrecognised=path["why"]
-    )
-    expected = plan_load(request, here, config.load()).as_dict()
-    assert data["sample_request"] == "flash_attention_2 + float32 + no device_map"
-    assert data["sample_plan"] == json.loads(json.dumps(expected, default=str))
-    assert [r["id"] for r in data["decision_table"]] == [r.id for r in TABLE]
-    assert set(data["facts"]["backends"]) == set(F.BACKENDS)
-    assert data["facts"]["cuda"] == here.cuda
-
-
-def test_doctor_text_lists_facts_table_and_plan() -> None:
-    text = doctor.render(as_json=False)
-    for row in TABLE:
-        assert row.id in text
-    for name in F.BACKENDS:
-        assert name in text
-    assert "Plan for flash_attention_2 + float32 + no device_map" in text
-    for action in json.loads(doctor.render(as_json=True))["sample_plan"]["actions"]:
-        assert action["reason"] in text
-    # which kernel computes a call, and why: the questions in the order they are asked
-    from attnguard.kernels import QUESTIONS
-
-    at = [text.index(question) for _, question, _ in QUESTIONS]
-    assert at == sorted(at)
-
-
-def test_doctor_cli(capsys: Any) -> None:
-    from attnguard.cli import main
-
-    assert main(["doctor", "--json"]) == 0
-    assert "sample_plan" in json.loads(capsys.readouterr().out)
 
 
 def test_synthetic_facts_replace_only_what_they_say() -> None:
