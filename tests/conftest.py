@@ -9,6 +9,9 @@ What tests share besides fixtures is in tests/helpers (tests/README.md).
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,6 +250,36 @@ def stand_in(
 
     yield SimpleNamespace(serve=serve, disk_has=disk_has, raced=raced, events=captured)
     decisions.reset()
+
+
+# --- a second local user and a directory everyone may write to (file safety) ---------------------
+
+
+@pytest.fixture
+def other_user() -> Iterator[tuple[int, int]]:
+    """(uid, gid) of a throw-away local user; skipped unless the tests run as root."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("cross-user tests need root and useradd (CI runs as root)")
+    import pwd
+
+    name = f"agtest{os.getpid() % 100000}"
+    subprocess.run(["useradd", "--no-create-home", name], check=True, capture_output=True)
+    try:
+        entry = pwd.getpwnam(name)
+        yield entry.pw_uid, entry.pw_gid
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory every user may write to, sticky like /tmp."""
+    path = Path(tempfile.mkdtemp(prefix="ag-shared-", dir="/tmp"))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

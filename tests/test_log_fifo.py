@@ -3,7 +3,7 @@ stops the program, and another user's FIFO or device is treated like another use
 
 Fresh interpreters (the open happens at activation); each has a subprocess timeout, and the
 programs arm faulthandler, so a hang is a failure that shows where. Cross-user cases need root
-(the second local user of tests/test_file_safety.py).
+(the second local user: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.files import as_user, attnguard_run, went_around
 from helpers.processes import PY, subprocess_env
-from test_file_safety import _attnguard_run, _went_around, as_user, other_user, shared_dir
-
-__all__ = ["other_user", "shared_dir"]  # fixtures used here
 
 HANG_S = 60  # every program here ends in seconds
 
@@ -214,7 +212,7 @@ def test_another_users_fifo_is_treated_like_their_file(
         os.waitpid(spy, 0)
     assert heard.read_bytes() == b""  # nothing of the victim's run reached the other user
     assert f"is a FIFO that belongs to another user (uid {other_user[0]})" in res.stderr
-    _went_around(res, planted, shared_dir)
+    went_around(res, planted, shared_dir)
 
 
 def test_another_users_fifo_with_no_reader_or_device_does_not_hang_or_get_lines(
@@ -232,9 +230,9 @@ def test_another_users_fifo_with_no_reader_or_device_does_not_hang_or_get_lines(
         text=True,
         timeout=HANG_S,
     )
-    used = _went_around(res, fifo, shared_dir)
+    used = went_around(res, fifo, shared_dir)
     used.unlink()
-    run = _attnguard_run(tmp_path, ATTNGUARD_LOG=str(fifo))
+    run = attnguard_run(tmp_path, ATTNGUARD_LOG=str(fifo))
     assert run.returncode == 0 and (tmp_path / "command-ran").exists(), run.stderr
     device = shared_dir / "dev.jsonl"
     os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null twin
@@ -249,7 +247,7 @@ def test_another_users_fifo_with_no_reader_or_device_does_not_hang_or_get_lines(
     assert f"is a character device that belongs to another user (uid {other_user[0]})" in (
         res.stderr
     )
-    _went_around(res, device, shared_dir)
+    went_around(res, device, shared_dir)
 
 
 def test_your_own_fifo_with_a_reader_still_gets_the_lines(tmp_path: Path) -> None:
