@@ -126,7 +126,7 @@ def test_an_absent_package_is_not_imported(monkeypatch: Any) -> None:
 
 def test_a_broken_extension_is_imported_for_real(tmp_path: Path) -> None:
     """Stand-in of flash-attn whose CUDA extension fails to load the way a torch upgrade breaks
-    it (the real broken build is tested in test_load_guard.py)."""
+    it (the real broken build is tested in test_load_errors.py)."""
     pkg = tmp_path / "flash_attn"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(

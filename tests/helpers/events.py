@@ -33,3 +33,8 @@ def names(evts: list[dict[str, Any]], *, skip: tuple[str, ...] = ("activated",))
 def reasons(evts: list[dict[str, Any]], *, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(event, reason_code) of each event in order, without the events named in ``skip``."""
     return [(e["event"], e["reason_code"]) for e in evts if e["event"] not in skip]
+
+
+def only(evts: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The events named ``name``, in order."""
+    return [e for e in evts if e["event"] == name]

@@ -46,3 +46,16 @@ def diffusers_dispatch() -> Any:
             raise
         pytest.skip(f"diffusers does not import here: {exc!r}", allow_module_level=True)
     return ad
+
+
+def flash_status() -> Any:
+    """facts' verdict on flash_attention_2 here, or skip: these tests need flash-attn absent or
+    broken (this CPU machine)."""
+    import pytest
+
+    from attnguard import facts
+
+    status = facts.current().backend("flash_attention_2")
+    if status.usable:
+        pytest.skip("flash-attn is usable here: these tests need it absent or broken")
+    return status
