@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.hook import env_for, needs_hook
 from helpers.processes import PY
-from test_quiet import env_for, needs_hook
 
 import attnguard
 

@@ -12,26 +12,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sysconfig
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers.events import names
-from helpers.processes import PY, REPO, subprocess_env
+from helpers.hook import env_for, needs_hook
+from helpers.processes import PY
 
 import attnguard
 from attnguard.observability import events
-
-HOOK_DIR = REPO / "hook"
-
-
-def env_for(*paths: str | Path, **extra: str) -> dict[str, str]:
-    """A child environment: this checkout's attnguard and its ``_attnguard_hook`` first."""
-    env = subprocess_env(HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **extra)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), str(HOOK_DIR), env["PYTHONPATH"]])
-    return env
 
 
 def run_script(
@@ -55,12 +46,6 @@ def json_lines(text: str) -> list[dict[str, Any]]:
             if isinstance(rec, dict) and rec.get("schema") == 1:
                 out.append(rec)
     return out
-
-
-needs_hook = pytest.mark.skipif(
-    not (Path(sysconfig.get_paths()["purelib"]) / "attnguard.pth").is_file(),
-    reason="the ATTNGUARD=1 start-up hook is not installed here",
-)
 
 
 # --- nothing happened: nothing on the console ----------------------------------------------------

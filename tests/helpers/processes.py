@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,6 +33,20 @@ def run_python(
     res = subprocess.run([PY, *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{what or args[0]}:\n{res.stderr[-4000:]}"
     return res
+
+
+def run_code(
+    code: str, *args: str, env: dict[str, str], cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` (the code dedented) under a watchdog; the result, whatever it is."""
+    return subprocess.run(
+        [PY, "-c", textwrap.dedent(code), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def free_port() -> int:
