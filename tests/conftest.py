@@ -145,6 +145,28 @@ def guard(captured: list[dict[str, Any]]) -> Iterator[Any]:
 
 
 @pytest.fixture
+def launcher_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Rank 1 of 2, so rank fields are visibly taken from the environment (not the defaults)."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return {"rank": 1, "local_rank": 1, "world_size": 2}
+
+
+@pytest.fixture
+def logger_levels() -> Iterator[None]:
+    """Tests change the root and "attnguard" logger levels; put them back afterwards."""
+    import logging
+
+    root, ours = logging.getLogger(), logging.getLogger("attnguard")
+    saved = (root.level, ours.level, ours.propagate)
+    yield
+    root.setLevel(saved[0])
+    ours.setLevel(saved[1])
+    ours.propagate = saved[2]
+
+
+@pytest.fixture
 def flash_standin(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The flash-attn stand-in (tests/standins) imported fresh, then attnguard activated (patching
     it); forgotten afterwards: other tests must not see flash_attn installed."""

@@ -23,6 +23,17 @@ def hub_standin() -> Any:
     return module
 
 
+def require(module: str) -> Any:
+    """Import an optional test dependency: skip without it locally, fail without it in CI."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def purge_flash_attn() -> None:
     """Forget every imported flash_attn module (the next import finds whatever is on the path)."""
     for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
