@@ -1,8 +1,8 @@
 """Attention sinks (``s_aux``: one learned logit per query head that joins each row's softmax and
 gives no value) computed by the twins, as GPT-OSS and its kin pass them to the flash path.
 
-Against a float64 reference written out here (softmax over the keys and the sink, the sink's
-column dropped): the dense, packed (varlen) and KV-cache twins, forward and backward (float64
+Against a float64 reference written out by hand (tests/helpers/tensors.py: softmax over the keys
+and the sink, the sink's column dropped): the dense, packed (varlen) and KV-cache twins, forward and backward (float64
 ``gradcheck`` and the reference's own gradients), under ``torch.compile(fullgraph=True)``; then a
 tiny GPT-OSS through transformers' flash path on the twins against the same model on eager,
 logits and every parameter's gradient.
@@ -10,51 +10,18 @@ logits and every parameter's gradient.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from helpers.tensors import sinks_reference
 
 import attnguard
 from attnguard import fallback
 from attnguard.observability import events
 
 B, S, H, HK, D = 2, 9, 4, 2, 8
-
-
-def reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    *,
-    causal: bool = True,
-    window: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """flash-attn's semantics with sinks, float64: (B, Sq, H, D) in, (B, Sq, H, D) out."""
-    q, k, v = q.double(), k.double(), v.double()
-    sq, sk = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    left, right = window
-    right = 0 if causal else right
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    s = s.masked_fill(~keep, -math.inf)
-    sink = sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
-    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def tensors(dtype: torch.dtype = torch.float64, seed: int = 0) -> list[torch.Tensor]:
@@ -93,7 +60,7 @@ def test_dense_twin_computes_sinks(case: str, dtype: torch.dtype) -> None:
         softcap=opts.get("softcap", 0.0),
         s_aux=s,
     )
-    want = reference(
+    want = sinks_reference(
         q, k, v, s, causal=opts["causal"], window=window, softcap=opts.get("softcap", 0)
     )
     tol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -130,7 +97,9 @@ def test_varlen_twin_computes_sinks_per_sequence(window: tuple[int, int]) -> Non
     )  # fmt: skip
     want = torch.cat(
         [
-            reference(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], s, window=window)[0]
+            sinks_reference(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], s, window=window)[
+                0
+            ]
             for b, n in enumerate(LENGTHS)
         ]
     )
@@ -170,7 +139,7 @@ def test_kvcache_twin_decodes_with_sinks() -> None:
         s_aux=s,
     )
     for b, n in enumerate(lens):
-        want = reference(new[b][None], k[b : b + 1, : n + 1], v[b : b + 1, : n + 1], s)
+        want = sinks_reference(new[b][None], k[b : b + 1, : n + 1], v[b : b + 1, : n + 1], s)
         torch.testing.assert_close(out[b : b + 1], want, atol=1e-12, rtol=1e-12)
 
 
@@ -180,7 +149,7 @@ def test_a_row_that_sees_no_key_gives_zeros() -> None:
     q, k, v, s = (t.detach() for t in tensors())
     out = fallback.flash_attn_func(q[:, :6], k[:, :2], v[:, :2], causal=True, s_aux=s)
     assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
-    torch.testing.assert_close(out, reference(q[:, :6], k[:, :2], v[:, :2], s).nan_to_num())
+    torch.testing.assert_close(out, sinks_reference(q[:, :6], k[:, :2], v[:, :2], s).nan_to_num())
 
 
 def test_sinks_must_be_one_per_query_head() -> None:

@@ -9,7 +9,6 @@ in bf16 and fp16, dense, packed and KV-cache decode.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -20,24 +19,12 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from helpers.tensors import sinks_reference  # noqa: E402
+
 from attnguard import fallback  # noqa: E402
 
 DEV = "cuda:0"
 B, S, H, HK, D = 2, 257, 8, 2, 64
-
-
-def reference(q: Any, k: Any, v: Any, sinks: Any, causal: bool = True) -> torch.Tensor:
-    q, k, v = q.double(), k.double(), v.double()
-    sq, sk = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
-    v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if causal:
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        s = s.masked_fill(~keep, -math.inf)
-    sink = sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, sq, 1)
-    p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def tensors(dtype: torch.dtype) -> list[torch.Tensor]:
@@ -56,15 +43,15 @@ def test_dense_and_packed_sinks_in_inference(dtype: torch.dtype) -> None:
     q, k, v, s = tensors(dtype)
     with torch.no_grad():
         out = fallback.flash_attn_func(q, k, v, causal=True, s_aux=s)
-        want = reference(q, k, v, s)
+        want = sinks_reference(q, k, v, s)
         assert (out.double() - want).abs().max().item() <= bound(want, dtype)
         lengths = (100, S)
         cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=DEV)
         packed = [torch.cat([t[0, : lengths[0]], t[1]]) for t in (q, k, v)]
         out = fallback.flash_attn_varlen_func(*packed, cu, cu, S, S, causal=True, s_aux=s)
         want = torch.cat(
-            [reference(q[:1, : lengths[0]], k[:1, : lengths[0]], v[:1, : lengths[0]], s)[0],
-             reference(q[1:], k[1:], v[1:], s)[0]]
+            [sinks_reference(q[:1, : lengths[0]], k[:1, : lengths[0]], v[:1, : lengths[0]], s)[0],
+             sinks_reference(q[1:], k[1:], v[1:], s)[0]]
         )  # fmt: skip
         assert (out.double() - want).abs().max().item() <= bound(want, dtype)
 
@@ -81,7 +68,7 @@ def test_kvcache_decode_with_sinks(dtype: torch.dtype) -> None:
             q[:, -1:], k_cache, v_cache, k[:, -1:], v[:, -1:], cache_seqlens=lens, causal=True,
             s_aux=s,
         )  # fmt: skip
-    want = reference(q[:, -1:], k, v, s)
+    want = sinks_reference(q[:, -1:], k, v, s)
     assert (out.double() - want).abs().max().item() <= bound(want, dtype)
 
 
@@ -90,7 +77,7 @@ def test_sink_gradients_on_the_gpu() -> None:
     out = fallback.flash_attn_func(q, k, v, causal=True, s_aux=s)
     g = torch.randn(out.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1))
     got = torch.autograd.grad((out.float() * g).sum(), (q, k, v, s))
-    want = torch.autograd.grad((reference(q, k, v, s) * g.double()).sum(), (q, k, v, s))
+    want = torch.autograd.grad((sinks_reference(q, k, v, s) * g.double()).sum(), (q, k, v, s))
     for a, b in zip(got, want, strict=True):
         assert (a.double() - b).abs().max().item() <= 3e-2 * b.abs().max().item()
 

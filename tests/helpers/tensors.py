@@ -88,6 +88,20 @@ def flash_keep(sq: int, sk: int, causal: bool = False, window: tuple[int, int] =
     return keep
 
 
+def band_keep(sq: int, sk: int, left: int = -1, right: int = -1, device: Any = None) -> Any:
+    """The same band as flash_keep, built at once (for references run at scale, on any device):
+    query i sits on the diagonal i + sk - sq and keeps key j iff j >= diagonal - left and
+    j <= diagonal + right (a negative side is open; causal is right = 0)."""
+    i = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep
+
+
 def alibi_ref_bias(slopes: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
     """-slope * |i + Sk - Sq - j| by loops; slopes (H,) or (B, H) -> (B|1, H, Sq, Sk)."""
     if slopes.dim() == 1:
@@ -110,7 +124,7 @@ def _scores(q, k, scale, softcap, bias, keep, heads_first):
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (
         1 / math.sqrt(q.shape[-1]) if scale is None else scale
     )
-    if softcap > 0:
+    if softcap:  # (0 or None: none)
         s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias.double().to(s.device)
@@ -166,7 +180,8 @@ def sinks_reference(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """flash-attn's semantics with attention sinks (gpt-oss' s_aux), float64."""
-    keep = flash_keep(q.shape[1], k.shape[1], causal, window)
+    left, right = window
+    keep = band_keep(q.shape[1], k.shape[1], left, 0 if causal else right, q.device)
     return reference(q, k, v, keep, softcap=softcap, sinks=sinks)
 
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from attnguard.fallback import torch_flash
+from helpers.tensors import band_keep
 
 F64 = torch.float64
 
@@ -24,14 +25,7 @@ def attend(q, k, v, scale, left, right):
     kk = k.repeat_interleave(h // hk, dim=1)
     vv = v.repeat_interleave(h // hk, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.to(F64), kk.to(F64)) * scale
-    i = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    s = s.masked_fill(~keep, -math.inf)
+    s = s.masked_fill(~band_keep(sq, sk, left, right), -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hqk,khd->qhd", p, vv.to(F64))

@@ -25,6 +25,7 @@ import shutil
 from typing import Any
 
 import torch
+from helpers.tensors import band_keep, reference
 from workers import zoo
 
 FLASH = "flash_attention_2"
@@ -37,33 +38,13 @@ ATOL = 2e-4  # relative: fp32 rounding of tiny models (a different mask moves th
 def _attend(
     q: Any, k: Any, v: Any, scale: Any, causal: bool, window: Any, softcap: Any, sinks: Any
 ) -> Any:
-    """One sequence: q (Sq, H, D), k/v (Sk, Hk, D) -> (Sq, H, Dv), float64 inside."""
-    sq, h, d = q.shape
-    sk, hk = k.shape[0], k.shape[1]
-    k = k.double().repeat_interleave(h // hk, dim=1)
-    v = v.double().repeat_interleave(h // hk, dim=1)
-    scale = d**-0.5 if scale is None else float(scale)
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq)[:, None] + (sk - sq)  # bottom-right aligned
-    j = torch.arange(sk)[None, :]
+    """One sequence: q (Sq, H, D), k/v (Sk, Hk, D) -> (Sq, H, Dv), float64 inside (rows with no
+    visible key: zeros, as flash-attn)."""
     left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
-    if causal:
-        right = 0
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    s = s.masked_fill(~keep, -math.inf)
-    if sinks is not None:
-        sink = sinks.double().reshape(h, 1, 1).expand(h, sq, 1)
-        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key: zeros, as flash-attn
-    return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
+    keep = band_keep(q.shape[0], k.shape[0], left, 0 if causal else right)  # bottom-right
+    scale = None if scale is None else float(scale)
+    out = reference(q[None], k[None], v[None], keep, scale=scale, softcap=softcap, sinks=sinks)
+    return out[0].to(q.dtype)
 
 
 def ref_flash_attn_func(
