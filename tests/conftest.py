@@ -306,7 +306,8 @@ def shared_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """tiny_checkpoint(family, dtype="float32") -> a saved random checkpoint (cached per session)."""
+    """tiny_checkpoint(family, dtype="float32") -> a saved random checkpoint (cached per
+    session)."""
     cache: dict[tuple[str, str], Path] = {}
 
     def make(family: str, dtype: str = "float32") -> Path:

@@ -56,13 +56,8 @@ def _has_masks() -> bool:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(path)
-    return path
+def llama(tiny_checkpoint: Any) -> Path:
+    return tiny_checkpoint("llama")
 
 
 def _load(path: Path, attn: str) -> Any:
@@ -260,18 +255,9 @@ def _pegasus_x() -> tuple[type, Any, dict[str, torch.Tensor]]:
 
 
 def _gemma2() -> tuple[type, Any, dict[str, torch.Tensor]]:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Gemma2ForCausalLM
 
-    config = Gemma2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=4,
-    )
+    config = tiny_config("gemma2", head_dim=16, sliding_window=4)
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(2))
     return Gemma2ForCausalLM, config, {"input_ids": ids}
 

@@ -2,10 +2,10 @@
 gives no value) computed by the twins, as GPT-OSS and its kin pass them to the flash path.
 
 Against a float64 reference written out by hand (tests/helpers/tensors.py: softmax over the keys
-and the sink, the sink's column dropped): the dense, packed (varlen) and KV-cache twins, forward and backward (float64
-``gradcheck`` and the reference's own gradients), under ``torch.compile(fullgraph=True)``; then a
-tiny GPT-OSS through transformers' flash path on the twins against the same model on eager,
-logits and every parameter's gradient.
+and the sink, the sink's column dropped): the dense, packed (varlen) and KV-cache twins, forward
+and backward (float64 ``gradcheck`` and the reference's own gradients), under
+``torch.compile(fullgraph=True)``; then a tiny GPT-OSS through transformers' flash path on the
+twins against the same model on eager, logits and every parameter's gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from helpers.models import save_gpt_oss
 from helpers.tensors import sinks_reference
 
 import attnguard
@@ -211,35 +212,11 @@ def test_sinks_trace_whole_under_compile() -> None:
 # --- through transformers ------------------------------------------------------------------------
 
 
-def _gpt_oss_config() -> Any:
-    cfg = transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=4,
-        pad_token_id=0,
-    )
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not hasattr(transformers, "GptOssForCausalLM"):
         pytest.skip("this transformers release has no GPT-OSS")
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(_gpt_oss_config())
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
-    path = tmp_path_factory.mktemp("gpt_oss")
-    model.save_pretrained(path)
-    return path
+    return save_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_gpt_oss_on_the_flash_path_equals_eager_forward_and_backward(gpt_oss: Any) -> None:

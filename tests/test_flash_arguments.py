@@ -36,11 +36,8 @@ FLASH = "flash_attention_2"
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(path)
-    return path
+def llama(tiny_checkpoint: Any) -> Any:
+    return tiny_checkpoint("llama")
 
 
 def _registry() -> Any:

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from helpers.models import tiny_config
 
 import attnguard
 from attnguard.errors import AttnGuardError
@@ -37,11 +36,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("llama")
-    transformers.LlamaForCausalLM(tiny_config("llama")).save_pretrained(path)
-    return path
+def llama(tiny_checkpoint: Any) -> Any:
+    return tiny_checkpoint("llama")
 
 
 def _load(path: Any) -> Any:

@@ -15,9 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 from helpers.files import as_user, attnguard_run, went_around
-from helpers.processes import PY, subprocess_env
+from helpers.processes import PY, ended, start_program, subprocess_env
 
 HANG_S = 60  # every program here ends in seconds
 
@@ -39,26 +38,10 @@ for i in range(int(os.environ.get("AG_EVENTS", "1"))):
 
 
 def run(tmp_path: Path, log: str, **env: str) -> subprocess.Popen[str]:
-    script = tmp_path / "program.py"
-    script.write_text(PROGRAM.format(hang=HANG_S))
-    return subprocess.Popen(
-        [PY, str(script)],
-        env=subprocess_env(ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json", **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code = PROGRAM.format(hang=HANG_S)
+    return start_program(
+        tmp_path / "program.py", code, ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json", **env
     )
-
-
-def ended(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=HANG_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail("the guarded program hung")
-    assert "Timeout (" not in err, f"the guarded program hung:\n{err[-4000:]}"
-    return proc.returncode, out, err
 
 
 def test_a_fifo_nobody_reads_never_blocks_activation(tmp_path: Path) -> None:
@@ -67,7 +50,7 @@ def test_a_fifo_nobody_reads_never_blocks_activation(tmp_path: Path) -> None:
     lines no reader took."""
     fifo = tmp_path / "events.fifo"
     os.mkfifo(fifo)
-    code, out, err = ended(run(tmp_path, str(fifo)))
+    code, out, err = ended(run(tmp_path, str(fifo)), HANG_S)
     assert code == 0 and out == "ran True\n", err
     assert err == (
         f"attnguard WARNING: ATTNGUARD_LOG: no process opened the FIFO {fifo} for reading; 3 "
@@ -130,7 +113,7 @@ def test_a_reader_that_comes_later_gets_every_line_in_order(tmp_path: Path) -> N
     reader = Reader(fifo)
     flag.touch()
     lines = reader.read_until_end(proc)
-    code, _, err = ended(proc)
+    code, _, err = ended(proc, HANG_S)
     assert code == 0 and err == "", err
     events = [e["event"] for e in lines]
     assert events == ["activated", "backend_fallback", "backend_fallback", "summary"]
@@ -145,7 +128,7 @@ def test_a_reader_that_stops_reading_does_not_stop_the_program(tmp_path: Path) -
     os.mkfifo(fifo)
     held = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that takes nothing
     try:
-        code, out, err = ended(run(tmp_path, str(fifo), AG_EVENTS="400"))
+        code, out, err = ended(run(tmp_path, str(fifo), AG_EVENTS="400"), HANG_S)
     finally:
         os.close(held)
     assert code == 0 and out == "ran True\n", err
@@ -256,6 +239,6 @@ def test_your_own_fifo_with_a_reader_still_gets_the_lines(tmp_path: Path) -> Non
     reader = Reader(fifo)
     proc = run(tmp_path, str(fifo))
     lines = reader.read_until_end(proc)
-    code, _, err = ended(proc)
+    code, _, err = ended(proc, HANG_S)
     assert code == 0 and err == "", err
     assert [e["event"] for e in lines] == ["activated", "backend_fallback", "summary"]

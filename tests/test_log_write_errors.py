@@ -15,8 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-from helpers.processes import PY, subprocess_env
+from helpers.processes import ended, start_program
 
 HANG_S = 60
 
@@ -50,26 +49,10 @@ print("ran", attnguard.is_active(), flush=True)
 
 
 def start(tmp_path: Path, log: str, **env: str) -> subprocess.Popen[str]:
-    script = tmp_path / "program.py"
-    script.write_text(PROGRAM.format(hang=HANG_S))
-    return subprocess.Popen(
-        [PY, str(script)],
-        env=subprocess_env(ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json", **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    code = PROGRAM.format(hang=HANG_S)
+    return start_program(
+        tmp_path / "program.py", code, ATTNGUARD_LOG=log, ATTNGUARD_LOG_FORMAT="json", **env
     )
-
-
-def ended(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=HANG_S + 30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        pytest.fail("the guarded program hung")
-    assert "Timeout (" not in err, f"the guarded program hung:\n{err[-4000:]}"
-    return proc.returncode, out, err
 
 
 def stderr_story(err: str) -> tuple[str, list[dict]]:
@@ -92,7 +75,7 @@ def test_a_file_size_limit_keeps_whole_lines_and_the_summary_reaches_stderr(
 ) -> None:
     log = tmp_path / "events.jsonl"
     limit = 8000  # about 12 of 101 lines fit: the 13th is cut by the limit
-    code, out, err = ended(start(tmp_path, str(log), AG_FSIZE=str(limit), AG_EVENTS="100"))
+    code, out, err = ended(start(tmp_path, str(log), AG_FSIZE=str(limit), AG_EVENTS="100"), HANG_S)
     assert code == 0 and out == "ran True\n", err
     said, after = stderr_story(err)
     assert said == (
@@ -126,7 +109,7 @@ def test_a_fifo_whose_reader_leaves_says_so_and_keeps_the_rest_on_stderr(tmp_pat
     finally:
         os.close(reader)  # the log shipper goes away
     flag.touch()
-    code, out, err = ended(proc)
+    code, out, err = ended(proc, HANG_S)
     assert code == 0 and out == "ran True\n", err
     got = [json.loads(line) for line in data.decode().splitlines()]
     assert [e["event"] for e in got] == ["activated"] + ["backend_fallback"] * 3
@@ -142,7 +125,9 @@ def test_beside_stderr_only_what_stderr_does_not_show_is_added(tmp_path: Path) -
     """ATTNGUARD_LOG=stderr,<file>: stderr shows the warnings already; once the file is given up
     nothing is said twice there."""
     log = tmp_path / "events.jsonl"
-    code, out, err = ended(start(tmp_path, f"stderr,{log}", AG_FSIZE="3000", AG_EVENTS="10"))
+    code, out, err = ended(
+        start(tmp_path, f"stderr,{log}", AG_FSIZE="3000", AG_EVENTS="10"), HANG_S
+    )
     assert code == 0 and out == "ran True\n", err
     said, after = stderr_story(err)
     before = [json.loads(line) for line in err.splitlines() if line.startswith("{")]

@@ -19,6 +19,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+from helpers.models import save_gpt_oss  # noqa: E402
 from helpers.tensors import sinks_reference  # noqa: E402
 
 from attnguard import fallback  # noqa: E402
@@ -89,17 +90,7 @@ def test_gpt_oss_on_the_twins_equals_eager_on_the_gpu(tmp_path: Any) -> None:
 
     if not hasattr(transformers, "GptOssForCausalLM"):
         pytest.skip("this transformers release has no GPT-OSS")
-    cfg = transformers.GptOssConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=8, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.sinks.normal_(0.0, 1.0)
-    model.save_pretrained(tmp_path)
+    save_gpt_oss(tmp_path, hidden_size=64, intermediate_size=64, head_dim=16, sliding_window=8)
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEV)
     load = dict(dtype=torch.bfloat16, device_map={"": 0})
     eager = transformers.GptOssForCausalLM.from_pretrained(

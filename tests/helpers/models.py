@@ -89,6 +89,37 @@ def save_tiny(
     return path
 
 
+# a tiny GPT-OSS: attention sinks, experts, a sliding window shorter than the test batches
+GPT_OSS: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    pad_token_id=0,
+)
+
+
+def save_gpt_oss(path: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A seeded tiny GPT-OSS (GPT_OSS, then ``overrides``) with sinks that matter (drawn from
+    N(0, 1)), saved at ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**GPT_OSS, **overrides}))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_inputs(family: str) -> dict[str, Any]:
     """A batch of two with left padding (and an image for the VLM)."""
     import torch

@@ -49,6 +49,34 @@ def run_code(
     )
 
 
+def start_program(script: Path, code: str, **env: str) -> subprocess.Popen[str]:
+    """``code`` written to ``script`` and started as a child Python that imports this checkout
+    (``env`` added to its environment), its output piped: end it with ended()."""
+    script.write_text(code)
+    return subprocess.Popen(
+        [PY, str(script)],
+        env=subprocess_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def ended(proc: subprocess.Popen[str], hang_s: float) -> tuple[int, str, str]:
+    """A started program's (exit code, stdout, stderr), once it ends; one that arms faulthandler
+    with ``hang_s`` and still runs 30 s later, or whose dump says it hung, fails the test."""
+    import pytest
+
+    try:
+        out, err = proc.communicate(timeout=hang_s + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the guarded program hung")
+    assert "Timeout (" not in err, f"the guarded program hung:\n{err[-4000:]}"
+    return proc.returncode, out, err
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (a launcher's rendezvous)."""
     with socket.socket() as s:

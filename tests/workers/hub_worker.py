@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
-from helpers.models import save_tiny  # noqa: E402
+from helpers.models import save_gpt_oss, save_tiny  # noqa: E402
 from helpers.processes import first_line  # noqa: E402
 
 FLASH = "flash_attention_2"
@@ -34,36 +34,12 @@ HUB = "kernels-community/flash-attn2"
 LENGTHS = (5, 7, 4)
 
 
-def _gpt_oss_config() -> Any:
-    import transformers
-
-    return transformers.GptOssConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=4,
-        pad_token_id=0,
-    )
-
-
 def make(root: Path) -> None:
-    import torch
     import transformers
 
     save_tiny(root / "llama", max_position_embeddings=256)
     if hasattr(transformers, "GptOssForCausalLM"):
-        torch.manual_seed(0)
-        model = transformers.GptOssForCausalLM(_gpt_oss_config())
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 1.0)  # sinks that matter
-        model.save_pretrained(root / "gpt_oss")
+        save_gpt_oss(root / "gpt_oss")
 
 
 def _batches(torch: Any, device: str) -> dict[str, Any]:
