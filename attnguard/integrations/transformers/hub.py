@@ -307,11 +307,11 @@ def _failed(
     cls, requested = (current.cls, current.requested) if current is not None else (None, None)
     chosen_for = requested if isinstance(requested, str) and requested != name else ""
     uncomputed: tuple[str, ...] = ()
-    path_problem = flash_path.unrecognised()
+    path_problem = flash_path.unrecognised(name)
     if cls is not None and not path_problem:
-        from . import arguments, routing
+        from . import routing
 
-        uncomputed = tuple(routing.uncomputed_keywords(cls, arguments.computed_arguments()))
+        uncomputed = tuple(routing.uncomputed_keywords(cls, flash_path.computed_for(name)))
     verdict = kernels.when_hub_kernel_fails(
         name, outcome, path_problem=path_problem, uncomputed=uncomputed, chosen_for=chosen_for
     )
@@ -350,7 +350,8 @@ def _failed(
 def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     """Do what the loader does for a flash kernel that loaded — register ``key``'s attention
     function (transformers' flash attention, or the wrapper it was given) and flash's mask — and
-    return a stand-in for the kernel module holding the twins of its functions."""
+    return a stand-in for the kernel module holding the twins of its functions: those of the
+    kernel's family, so transformers passes them what it would pass the kernel."""
     from . import flash_path
 
     utils = sys.modules["transformers.modeling_utils"]
@@ -367,7 +368,7 @@ def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         masks.register(key, masks["flash_attention_2"])
     name = str(key).split("|", 1)[-1]
     flash_path.serving(name)
-    twins = flash_path.kernels_by_role()
+    twins = flash_path.kernels_by_role(flash_path.family_of(name))  # its family's, signatures too
     return SimpleNamespace(
         __name__=f"attnguard twins of {name}",
         flash_attn_func=twins.get("flash_attn_func"),
