@@ -70,16 +70,17 @@ def fa3_window(
 def fa4_window(window_size: Sequence[int | None], causal: bool) -> tuple[int, int] | None:
     """Window (left, right) as flash-attn 4 resolves it (flash_attn/cute/interface.py,
     ``_resolve_causal_local_window``): ``None`` is an open side; causal sets right = 0; two
-    ints summing below 0 mean no window at all (so (-1, -1), and (-1, 0) without causal, are
-    full attention); other ints bound the band as given, also below 0 (its mask,
-    flash_attn/cute/mask.py, reads them literally). Returns the band with -1 for an open side,
-    or None where a side is a negative int (a band that excludes the diagonal: not computed
-    by the twins)."""
+    ints summing below 0 mean no window (so (-1, -1), and (-1, 0) without causal, are full
+    attention; with causal, causal attention); other ints bound the band as given, also below
+    0 (its mask, flash_attn/cute/mask.py, reads them literally). Returns the band with -1 for
+    an open side, or None where a side is a negative int (a band that excludes the diagonal:
+    not computed by the twins)."""
     left, right = window_size[0], window_size[1]
     if causal:
         right = 0
     if left is not None and right is not None and int(left) + int(right) < 0:
-        left = right = None
+        left = right = None  # no window; a causal call stays causal (its flag is kept)
+        right = 0 if causal else None
     bounds = tuple(-1 if w is None else int(w) for w in (left, right))
     if any(w < 0 for w, given in zip(bounds, (left, right), strict=True) if given is not None):
         return None

@@ -47,7 +47,8 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     support = support_fields(cls, requested)
     if scope is not None and scope.backend_decided and support["supports_flash"]:
         # the outer load or model already decided (and reported) the backend
-        return GateDecision(_twins_attn(requested) if scope.twins else requested, scope.twins)
+        # the request stays: its flash path is handed the twins of its own family
+        return GateDecision(requested, scope.twins)
     site = scope.site if scope is not None else site_default
     facts = facts_mod.current(runtime.settings())
     request = LoadRequest(model=cls.__name__, site=site, attn_implementation=requested, **support)
@@ -58,13 +59,6 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     if not settings.changes_things:
         return GateDecision(requested)
     return GateDecision(plan.attn_implementation, on_twins(plan, settings))
-
-
-def _twins_attn(requested: Any) -> Any:
-    """flash_attention_3/4 on the twins run flash_attention_2's path (the same functions)."""
-    if isinstance(requested, Mapping):
-        return {k: _twins_attn(v) for k, v in requested.items()}
-    return "flash_attention_2" if is_flash(requested) and "paged" not in requested else requested
 
 
 def guarded_check_and_adjust(
