@@ -1,6 +1,6 @@
 """Each flash-attn family's twins compute that family's rules: flash-attn 2, flash-attn 3 (and
 vLLM's build of it, with sinks) and flash-attn 4, each against a float64 explicit-softmax model
-written here from that family's own sources (never calling the twins):
+written from that family's own sources (tests/family_rules.py; never calling the twins):
 
 * flash-attn 2: csrc/flash_attn/flash_api.cpp ``mha_fwd`` + ``set_params_fprop``: a window side
   at or past seqlen_k opens; an open side beside a closed one closes at seqlen_k; +inf lse for a
@@ -27,6 +27,7 @@ import pytest
 import torch
 import transformers
 from conftest import diffusers_dispatch, tiny_inputs
+from family_rules import attend64, fa2_bounds, fa3_bounds, fa4_bounds, keep_of
 
 from attnguard.fallback import families
 from attnguard.fallback.refusal import Uncomputed
@@ -35,88 +36,8 @@ FA2, FA3, VLLM, FA4 = families.FA2, families.FA3, families.FA3_VLLM, families.FA
 FUNC, VARLEN, KVCACHE = families.FUNC, families.VARLEN, families.KVCACHE
 F64 = torch.float64
 
-# --- the families' rules, from their sources -------------------------------------------------------
-
-
-def fa2_bounds(ws: Any, causal: bool, sq: int, sk: int) -> tuple[int | None, int | None]:
-    """flash-attn 2's (left, right) as its mask reads them (None: no bound)."""
-    left, right = ws
-    if left >= sk:
-        left = -1
-    if right >= sk:
-        right = -1
-    if sq == 1:
-        causal = False  # "causal=true is the same as causal=false in this case"
-    if causal:
-        right = 0
-    if left < 0 <= right:
-        left = sk
-    if left >= 0 > right:
-        right = sk
-    return (left if left >= 0 else None, right if right >= 0 else None)
-
-
-def fa3_bounds(ws: Any, causal: bool, sq: int, sk: int) -> tuple[int | None, int | None]:
-    """flash-attn 3's (left, right) as ``set_params_fprop`` leaves them."""
-    left, right = ws
-    if left >= sk - 1:
-        left = -1
-    if right >= sq - 1:
-        right = -1
-    if causal:
-        right = 0
-    if left < 0:
-        left = sk - 1
-    if right < 0:
-        right = sq - 1
-    return left, right
-
-
-def fa4_bounds(ws: Any, causal: bool, sq: int = 0, sk: int = 0) -> tuple[int | None, int | None]:
-    """flash-attn 4's (left, right): None no bound, ints as given."""
-    left, right = ws
-    if causal:
-        right = 0
-    if left is not None and right is not None and left + right < 0:
-        left = right = None  # local off; the causal flag stands
-        right = 0 if causal else None
-    return left, right
-
-
 BOUNDS = {FA2: fa2_bounds, FA3: fa3_bounds, VLLM: fa3_bounds, FA4: fa4_bounds}
 EMPTY_LSE = {FA2: math.inf, FA3: -math.inf, VLLM: -math.inf, FA4: -math.inf}
-
-
-def keep_of(bounds: tuple[int | None, int | None], sq: int, sk: int) -> torch.Tensor:
-    i = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if bounds[0] is not None:
-        keep &= j >= i - bounds[0]
-    if bounds[1] is not None:
-        keep &= j <= i + bounds[1]
-    return keep
-
-
-def attend64(q, k, v, keep, *, empty_lse, scale=None, softcap=0.0, sink=None):  # type: ignore[no-untyped-def]
-    """(B, Sq, H, D) softmax attention in float64 over the kept keys (and a sink logit per head
-    that takes mass and adds no value); zeros for a row that sees nothing. (out, lse (B, H, Sq))."""
-    h, hk = q.shape[2], k.shape[2]
-    k, v = (x.repeat_interleave(h // hk, dim=2).double().transpose(1, 2) for x in (k, v))
-    qd = q.double().transpose(1, 2)
-    s = qd @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~keep, -math.inf)
-    if sink is not None:
-        col = sink.double().reshape(1, h, 1, 1).expand(*s.shape[:3], 1)
-        s = torch.cat([s, col], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    p = p[..., : v.shape[2]]
-    if sink is None:
-        lse = lse.masked_fill(torch.isneginf(lse), empty_lse)
-    return (p @ v).transpose(1, 2), lse
 
 
 def check(got: torch.Tensor, want: torch.Tensor, worst: dict[str, float], key: str) -> None:
@@ -199,6 +120,32 @@ def test_a_one_sided_window_with_more_queries_than_keys_is_flash_attn_3s_own() -
     fa2 = families.twins_for(FA2)[FUNC](q, k, v, window_size=(1, -1))
     assert float((fa2 - want).abs().max()) > 0.1  # flash-attn 2's rule is another one
     assert float(fa2[0, :3].abs().max()) == 0.0  # rows 0-2 see keys j <= i - 3: none
+
+
+def test_torch_flash_kernel_serves_only_the_windows_it_computes() -> None:
+    """On a GPU the twins use torch's flash kernel (flash-attn 2's code in aten) for windows;
+    it normalises a window as flash-attn 2 does, so it serves a flash-attn 3 / 4 band only where
+    that gives the same band (``masks.kernel_band``), every flash-attn 2 window, and not the
+    one-sided window with seqlen_q > seqlen_k + 1 (masked SDPA computes that one)."""
+    from attnguard.fallback.masks import fa3_window, kernel_band, normalize_window
+
+    served = 0
+    for sq in range(1, 9):
+        for sk in range(1, 9):
+            for left in range(-1, 10):
+                for right in range(-1, 10):
+                    band = (left, right)
+                    given = keep_of(
+                        (None if left < 0 else left, None if right < 0 else right), sq, sk
+                    )
+                    kernel = keep_of(fa2_bounds(band, False, sq, sk), sq, sk)
+                    if kernel_band(band, sq, sk):
+                        served += 1
+                        assert torch.equal(given, kernel), (band, sq, sk)
+                    assert kernel_band(normalize_window(band, False, sk), sq, sk)
+                    assert kernel_band(fa3_window(band, False, sq, sk), sq, sk) or sq > sk + 1
+    assert served > 0.8 * 8 * 8 * 11 * 11
+    assert not kernel_band(fa3_window((1, -1), False, 9, 3), 9, 3)
 
 
 def test_diffusers_flash_3_hub_backend_computes_flash_attn_3s_window() -> None:
