@@ -92,7 +92,10 @@ def unrecognised(implementation: Any = FA2_REQUEST) -> str:
         if family is families.FA2:
             return ""
         if _state.wiring.layout == GLOBALS:  # the globals it binds at import are flash-attn 2's
-            return f"it binds flash-attn 2's functions at import; {family}'s are not among them"
+            return (
+                f"it binds flash-attn's functions at import, and attnguard's twins stand in for "
+                f"flash-attn 2's only, not for {family}'s"
+            )
         found = _state.probes.get(family)
         if found is None:
             found = _state.probes[family] = _probe(family)
@@ -110,7 +113,17 @@ def _probe(family: Family) -> Any:
         _state.wiring,
         kernels=functools.partial(kernels_by_role, family),
         swapped=functools.partial(swapped_kernels, family=family),
+        implementation=_REQUEST_OF[family],
     )
+
+
+# the flash request the probe makes for each family (what transformers' path reads it by)
+_REQUEST_OF = {
+    families.FA2: "flash_attention_2",
+    families.FA3: "flash_attention_3",
+    families.FA3_VLLM: "flash_attention_3",
+    families.FA4: "flash_attention_4",
+}
 
 
 def family_of(implementation: Any) -> Family:
