@@ -97,13 +97,15 @@ def computed_arguments(
 
 
 def named_uncomputed(caller: type) -> frozenset[str] | None:
-    """The arguments outside :func:`computed_arguments` that ``caller`` (an attention class)
+    """The arguments outside :func:`computed_arguments` (of any family whose twins serve here:
+    each call is then checked against its own family's) that ``caller`` (an attention class)
     passes the attention function by name in its own code; None where that code is not
     readable (or names nothing: then every argument counts)."""
     from . import routing
 
     named = routing.attention_keywords(caller)
-    return frozenset(named - computed_arguments()) if named else None
+    sets = list(_computed.values()) or [computed_arguments()]
+    return frozenset(named - frozenset.intersection(*sets)) if named else None
 
 
 def uncomputed(

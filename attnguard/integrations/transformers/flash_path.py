@@ -53,9 +53,8 @@ class _State:
         self.module: ModuleType | None = None
         self.wiring: Wiring | None = None
         self.unrecognised = "transformers' flash code path has not been read"
-        self.probe: Any = (
-            None  # probe.Result of flash-attn 2's twins (the wiring's check), once run
-        )
+        # probe.Result of flash-attn 2's twins (the wiring's check), once run
+        self.probe: Any = None
         self.probes: dict[Family, Any] = {}  # probe.Result per family whose twins it was run on
         self.override = threading.local()  # the probe's recorders, on the probing thread only
 
@@ -395,7 +394,10 @@ def serving(implementation: str) -> None:
     compute (:mod:`.arguments`)."""
     from . import arguments
 
+    families_before = len(arguments._computed)
     arguments.TWIN_ARGUMENTS[implementation] = computed_for(implementation)
+    if len(arguments._computed) != families_before:  # another family: judged again
+        arguments.TWIN_ASIDE.clear()
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,6 +42,7 @@ from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
 from ..ledger import Ledger
+from . import wiring
 
 MODULE = "transformers.integrations.hub_kernels"
 SITE = "transformers.hub_kernel"  # events say f"{SITE}:{name}": one per hub kernel
@@ -369,12 +370,21 @@ def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     name = str(key).split("|", 1)[-1]
     flash_path.serving(name)
     twins = flash_path.kernels_by_role(flash_path.family_of(name))  # its family's, signatures too
-    return SimpleNamespace(
+    stand_in = SimpleNamespace(
         __name__=f"attnguard twins of {name}",
         flash_attn_func=twins.get("flash_attn_func"),
         flash_attn_varlen_func=twins.get("flash_attn_varlen_func"),
         flash_attn_with_kvcache=twins.get("flash_attn_with_kvcache"),
     )
+    flash_utils = sys.modules.get(flash_path.MODULE)
+    forward = getattr(flash_utils, "_flash_attention_forward", None)
+    if "implementation" in wiring._named_parameters(forward):
+        # 4.56-4.57: the loader binds the kernel module into the attention function and
+        # resolves its functions at once (the flash path would otherwise take whichever
+        # flash-attn it finds, not this kernel's family)
+        registry.register(key, functools.partial(wrapper, implementation=stand_in))
+        flash_utils.lazy_import_flash_attention(stand_in, force_import=True)
+    return stand_in
 
 
 # --- patch / unpatch ----------------------------------------------------------------------------
