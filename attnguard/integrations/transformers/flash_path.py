@@ -95,11 +95,35 @@ def unrecognised(implementation: Any = FA2_REQUEST) -> str:
                 f"it binds flash-attn's functions at import, and attnguard's twins stand in for "
                 f"flash-attn 2's only, not for {family}'s"
             )
+        unmasked = _no_flash_mask(implementation)
+        if unmasked:
+            return unmasked
         found = _state.probes.get(family)
         if found is None:
             found = _state.probes[family] = _probe(family)
             _refresh_serving()
         return "" if found.ok else found.reason
+
+
+def _no_flash_mask(implementation: Any) -> str:
+    """Why transformers would build no attention mask for a model loaded as ``implementation``
+    ("" where it builds flash's): its mask registry (``ALL_MASK_ATTENTION_FUNCTIONS``) holds
+    flash's mask for ``flash_attention_2`` but none for this request (4.54-4.56 for
+    ``flash_attention_3``), so a padded batch would reach the flash path unmasked. Read from the
+    registry, not the version; a hub kernel's name gets its mask from its loader."""
+    import importlib
+
+    name = implementation.split("|", 1)[-1] if isinstance(implementation, str) else None
+    if name not in _FLASH_IMPLEMENTATIONS:
+        return ""
+    try:
+        masks = importlib.import_module("transformers.masking_utils").ALL_MASK_ATTENTION_FUNCTIONS
+        mapping = masks._global_mapping
+    except Exception:
+        return ""
+    if isinstance(mapping, dict) and FA2_REQUEST in mapping and name not in mapping:
+        return f"its attention masks have no {name} entry (a padded batch would go unmasked)"
+    return ""
 
 
 def _probe(family: Family) -> Any:
