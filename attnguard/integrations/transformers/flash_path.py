@@ -31,15 +31,18 @@ from typing import Any
 
 from ... import kernel_identity, runtime
 from ...computing import NOW, subject
+from ...fallback import families
+from ...fallback.families import Family
 from ...kernels import Kernel, Verdict, flash_kernel_unusable
 from ..ledger import Ledger
 from . import twin_calls
 from . import wiring as transformers_wiring
-from .wiring import FUNC, GLOBALS, INDEX, IS_FA3, KVCACHE, PAD, UNPAD, VARLEN, Unrecognised, Wiring
+from .wiring import GLOBALS, INDEX, IS_FA3, PAD, UNPAD, VARLEN, Unrecognised, Wiring
 
 MODULE = "transformers.modeling_flash_attention_utils"
 SITE = "transformers.flash_kernels"
 _FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+FA2_REQUEST = _FLASH_IMPLEMENTATIONS[0]
 
 ledger = Ledger("transformers_kernels")
 
@@ -52,7 +55,9 @@ class _State:
         self.module: ModuleType | None = None
         self.wiring: Wiring | None = None
         self.unrecognised = "transformers' flash code path has not been read"
-        self.probe: Any = None  # probe.Result, once run
+        # probe.Result of flash-attn 2's twins (the wiring's check), once run
+        self.probe: Any = None
+        self.probes: dict[Family, Any] = {}  # probe.Result per family whose twins it was run on
         self.override = threading.local()  # the probe's recorders, on the probing thread only
 
 
@@ -67,24 +72,97 @@ def wiring() -> Wiring | None:
     return _state.wiring
 
 
-def unrecognised() -> str:
-    """Why transformers' flash path cannot be kept on the twins in this process ("" when it can):
-    its wiring is not one attnguard recognises, or the probe found its behaviour differs."""
+def unrecognised(implementation: Any = FA2_REQUEST) -> str:
+    """Why transformers' flash path cannot be kept on the twins of ``implementation``'s family
+    (:func:`family_of`) in this process ("" when it can): its wiring is not one attnguard
+    recognises, or the probe found its behaviour differs with those twins. flash-attn 2's twins
+    are probed first: where the path fails with them, attnguard steps aside for every family."""
+    family = family_of(implementation)
     with _state.lock:
         if _state.wiring is None or _state.module is None:
             return _state.unrecognised
         if _state.probe is None:
-            from . import probe
-
-            _state.probe = probe.run(
-                _state.module, _state.wiring, kernels=kernels_by_role, swapped=swapped_kernels
-            )
+            _state.probe = _state.probes[families.FA2] = _probe(families.FA2)
             _refresh_serving()  # the probe may have found an argument not computed
             if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
                 ledger.unpatch_all()
                 if _state.wiring.layout != GLOBALS:
                     _clear_lazy_cache(_state.module, _state.wiring)
-        return "" if _state.probe.ok else _state.probe.reason
+        if not _state.probe.ok:
+            return _state.probe.reason
+        if family is families.FA2:
+            return ""
+        if _state.wiring.layout == GLOBALS:  # the globals it binds at import are flash-attn 2's
+            return (
+                f"it binds flash-attn's functions at import, and attnguard's twins stand in for "
+                f"flash-attn 2's only, not for {family}'s"
+            )
+        unmasked = _no_flash_mask(implementation)
+        if unmasked:
+            return unmasked
+        found = _state.probes.get(family)
+        if found is None:
+            found = _state.probes[family] = _probe(family)
+            _refresh_serving()
+        return "" if found.ok else found.reason
+
+
+def _no_flash_mask(implementation: Any) -> str:
+    """Why transformers would build no attention mask for a model loaded as ``implementation``
+    ("" where it builds flash's): its mask registry (``ALL_MASK_ATTENTION_FUNCTIONS``) holds
+    flash's mask for ``flash_attention_2`` but none for this request (4.54-4.56 for
+    ``flash_attention_3``), so a padded batch would reach the flash path unmasked. Read from the
+    registry, not the version; a hub kernel's name gets its mask from its loader."""
+    import importlib
+
+    name = implementation.split("|", 1)[-1] if isinstance(implementation, str) else None
+    if name not in _FLASH_IMPLEMENTATIONS:
+        return ""
+    try:
+        masks = importlib.import_module("transformers.masking_utils").ALL_MASK_ATTENTION_FUNCTIONS
+        mapping = masks._global_mapping
+    except Exception:
+        return ""
+    if isinstance(mapping, dict) and FA2_REQUEST in mapping and name not in mapping:
+        return f"its attention masks have no {name} entry (a padded batch would go unmasked)"
+    return ""
+
+
+def _probe(family: Family) -> Any:
+    """The probe's verdict on transformers' flash path handed ``family``'s twins."""
+    from . import probe
+
+    assert _state.module is not None and _state.wiring is not None
+    return probe.run(
+        _state.module,
+        _state.wiring,
+        kernels=functools.partial(kernels_by_role, family),
+        swapped=functools.partial(swapped_kernels, family=family),
+        implementation=_REQUEST_OF[family],
+    )
+
+
+# the flash request the probe makes for each family (what transformers' path reads it by)
+_REQUEST_OF = {
+    families.FA2: "flash_attention_2",
+    families.FA3: "flash_attention_3",
+    families.FA3_VLLM: "flash_attention_3",
+    families.FA4: "flash_attention_4",
+}
+
+
+def family_of(implementation: Any) -> Family:
+    """The flash-attn family whose twins stand for ``implementation``'s kernel (a
+    ``flash_attention_N``, a hub kernel's name: :func:`attnguard.fallback.families.of_implementation`).
+    None (4.54-4.57 pass no implementation): the one transformers itself takes, flash-attn 3 where
+    its package is installed (its own ``is_flash_attn_3_available``), else flash-attn 2."""
+    if implementation is None:
+        check = getattr(_state.module, "is_flash_attn_3_available", None)
+        try:
+            return families.FA3 if callable(check) and check() else families.FA2
+        except Exception:
+            return families.FA2
+    return families.of_implementation(implementation) or families.FA2
 
 
 def stepped_aside(implementation: str) -> str:
@@ -92,7 +170,7 @@ def stepped_aside(implementation: str) -> str:
     cannot run here ("" when it was not: the kernel runs, or the twins serve the path)."""
     if not _kernel_unusable(implementation):
         return ""
-    why = unrecognised()
+    why = unrecognised(implementation)
     if not why:
         return ""
     return (
@@ -132,11 +210,12 @@ def installed_flash_path() -> dict[str, Any]:
             unpatch()
 
 
-def covers(model_class: type | None = None) -> bool:
-    """True when transformers' flash code path can run on the twins in this process (for
-    ``model_class``: before 4.54 only models whose attention goes through the registry call the
-    patched functions; Qwen2-VL and others bind flash-attn's functions in their own module)."""
-    if unrecognised():
+def covers(model_class: type | None = None, implementation: Any = FA2_REQUEST) -> bool:
+    """True when transformers' flash code path can run on the twins (of ``implementation``'s
+    family) in this process (for ``model_class``: before 4.54 only models whose attention goes
+    through the registry call the patched functions; Qwen2-VL and others bind flash-attn's
+    functions in their own module)."""
+    if unrecognised(implementation):
         return False
     wired = _state.wiring
     if wired is not None and wired.layout == GLOBALS and model_class is not None:
@@ -162,12 +241,13 @@ def _window_offset() -> tuple[int, int] | None:
 # --- the twins, and saying so -------------------------------------------------------------------
 
 
-def _twins() -> dict[str, Callable[..., Any] | None]:
-    """The twins by role (a role is the flash-attn name of the function it stands for)."""
+def _twins(family: Family = families.FA2) -> dict[str, Callable[..., Any] | None]:
+    """``family``'s twins by role (a role is the flash-attn name of the function it stands for),
+    and the padding helpers."""
     from ... import fallback
 
-    roles = (FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX)
-    twins = {role: getattr(fallback, role, None) for role in roles}
+    twins = {**families.twins_for(family)}
+    twins.update({role: getattr(fallback, role, None) for role in (PAD, UNPAD, INDEX)})
     varlen = twins[VARLEN]
     if varlen is not None:  # noting packed rows for the exit summary's advice
         twins[VARLEN] = twin_calls.recording_varlen(varlen)
@@ -269,23 +349,26 @@ def _implementation(wired: Wiring, args: tuple[Any, ...], kwargs: dict[str, Any]
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def _kernels_for(module: ModuleType) -> dict[str, Any]:
-    """The twins by role; pad/unpad: the release's own torch helpers where it has them."""
-    t = _twins()
+def _kernels_for(module: ModuleType, family: Family = families.FA2) -> dict[str, Any]:
+    """``family``'s twins by role, signatures included: transformers hands each kernel only the
+    keyword arguments its signature declares, so it passes the twins what it would pass that
+    family's kernel (no dropout to flash-attn 3's or 4's). pad/unpad: the release's own torch
+    helpers where it has them."""
+    t = _twins(family)
     return {
         **t,
         PAD: _first_defined(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
         UNPAD: _first_defined(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
-        IS_FA3: False,  # 4.54's flag: flash-attn 2's keyword arguments (dropout_p)
+        IS_FA3: not family.dropout,  # 4.54's flag: True, and it passes no dropout_p
     }
 
 
-def kernels_by_role() -> dict[str, Any]:
-    """The functions the flash path is handed here, by role (the probe records these)."""
+def kernels_by_role(family: Family = families.FA2) -> dict[str, Any]:
+    """The functions the flash path is handed for ``family``, by role (the probe records these)."""
     module = _state.module
     if module is None:
         raise Unrecognised("the flash path is not patched")
-    return {role: fn for role, fn in _kernels_for(module).items() if callable(fn)}
+    return {role: fn for role, fn in _kernels_for(module, family).items() if callable(fn)}
 
 
 def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: ModuleType) -> Any:
@@ -301,12 +384,12 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
 
                 report_internal_error(SITE, exc)
                 twins = False
-            if not twins or unrecognised():  # the first such call runs the probe
+            if not twins or unrecognised(implementation):  # the first such call runs the probe
                 return original(*args, **kwargs)
             chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
             _announce(chosen)
             serving(chosen)
-            kernels = _kernels_for(module)
+            kernels = _kernels_for(module, family_of(implementation))
         return tuple(kernels[role] for role in wired.returns)
 
     return _lazy_imports
@@ -325,29 +408,37 @@ def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
 # --- the globals layout ---------------------------------------------------------------------------
 
 
-def _computed() -> frozenset[str]:
+def computed_for(implementation: Any = FA2_REQUEST) -> frozenset[str]:
+    """The keyword arguments of a flash registry call that transformers' flash path computes on
+    the twins of ``implementation``'s family (:mod:`.arguments`)."""
     from . import arguments
 
+    family = family_of(implementation)
     with _state.lock:
-        missed = getattr(_state.probe, "uncomputed", None) or {}
-        return arguments.computed_arguments(_state.wiring, set(missed))
+        missed = getattr(_state.probes.get(family), "uncomputed", None) or {}
+        return arguments.computed_arguments(_state.wiring, set(missed), family)
 
 
 def _refresh_serving() -> None:
-    """What the twins compute, read again (the probe has run)."""
+    """What the twins compute, read again (a probe has run)."""
     from . import arguments
 
-    computed = _computed()
+    computed_for()  # flash-attn 2's, the default of arguments.computed_arguments()
     arguments.TWIN_ASIDE.clear()  # judged against the arguments computed before
     for implementation in list(NOW.twin_arguments):
-        NOW.twin_arguments[implementation] = computed
+        NOW.twin_arguments[implementation] = computed_for(implementation)
 
 
 def serving(implementation: str) -> None:
     """The twins serve ``implementation``'s flash path from now on (a flash_attention_N or a hub
     kernel that did not load): its registry calls are checked for arguments the twins would not
     compute (:mod:`.arguments`)."""
-    NOW.twin_arguments[implementation] = _computed()
+    from . import arguments
+
+    families_before = len(arguments._computed)
+    NOW.twin_arguments[implementation] = computed_for(implementation)
+    if len(arguments._computed) != families_before:  # another family: judged again
+        arguments.TWIN_ASIDE.clear()
     watch_masks()
 
 
@@ -425,20 +516,22 @@ def _patch_globals(module: ModuleType, wired: Wiring) -> None:
 
 
 @contextmanager
-def swapped_kernels(kernels: dict[str, Any]) -> Iterator[None]:
+def swapped_kernels(kernels: dict[str, Any], family: Family = families.FA2) -> Iterator[None]:
     """While open, transformers' flash path on this thread gets ``kernels`` (by role) instead of
-    the twins: the probe's recording stand-ins (:mod:`.probe`)."""
+    ``family``'s twins: the probe's recording stand-ins (:mod:`.probe`)."""
     module, wired = _state.module, _state.wiring
     if module is None or wired is None:
         raise Unrecognised("the flash path is not patched")
     with twin_calls.unwatched():
-        yield from _swapped(module, wired, kernels)
+        yield from _swapped(module, wired, kernels, family)
 
 
-def _swapped(module: ModuleType, wired: Wiring, kernels: dict[str, Any]) -> Iterator[None]:
+def _swapped(
+    module: ModuleType, wired: Wiring, kernels: dict[str, Any], family: Family
+) -> Iterator[None]:
     if wired.layout != GLOBALS:
         cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
-        _state.override.kernels = {**_kernels_for(module), **kernels}
+        _state.override.kernels = {**_kernels_for(module, family), **kernels}
         _clear_lazy_cache(module, wired)
         try:
             yield
@@ -477,6 +570,7 @@ def patch(module: ModuleType) -> None:
     wiring is one attnguard recognises (otherwise remember why not)."""
     with _state.lock:
         _state.module, _state.probe = module, None
+        _state.probes.clear()
         try:
             wired = transformers_wiring.read(module)
         except Unrecognised as exc:
@@ -518,6 +612,7 @@ def unpatch() -> None:
     with _state.lock:
         module, wired = _state.module, _state.wiring
         _state.module, _state.wiring, _state.probe = None, None, None
+        _state.probes.clear()
         _state.unrecognised = "transformers' flash code path has not been read"
     if module is not None and wired is not None and wired.layout != GLOBALS:
         _clear_lazy_cache(module, wired)

@@ -43,6 +43,7 @@ from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
 from ..ledger import Ledger
+from . import wiring
 
 MODULE = "transformers.integrations.hub_kernels"
 SITE = "transformers.hub_kernel"  # events say f"{SITE}:{name}": one per hub kernel
@@ -331,12 +332,11 @@ def _failed(
         if NOW.on_twins(row):  # decided before (and said): the twins serve it again
             return _twins_module(key, args, kw)
         uncomputed: tuple[str, ...] = ()
-        path_problem = flash_path.unrecognised()
+        path_problem = flash_path.unrecognised(name)
         if cls is not None and not path_problem:
-            from . import arguments, routing
+            from . import routing
 
-            computed = arguments.computed_arguments()
-            uncomputed = tuple(routing.uncomputed_keywords(cls, computed))
+            uncomputed = tuple(routing.uncomputed_keywords(cls, flash_path.computed_for(name)))
         identity = kernel_identity.of_request(name)
         assert identity is not None  # a hub name: hub_repo(name) is not None
         decided = kernels.verdict(
@@ -373,7 +373,8 @@ def _failed(
 def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     """Do what the loader does for a flash kernel that loaded — register ``key``'s attention
     function (transformers' flash attention, or the wrapper it was given) and flash's mask — and
-    return a stand-in for the kernel module holding the twins of its functions."""
+    return a stand-in for the kernel module holding the twins of its functions: those of the
+    kernel's family, so transformers passes them what it would pass the kernel."""
     from . import flash_path
 
     utils = sys.modules["transformers.modeling_utils"]
@@ -390,13 +391,22 @@ def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         masks.register(key, masks["flash_attention_2"])
     name = str(key).split("|", 1)[-1]
     flash_path.serving(name)
-    twins = flash_path.kernels_by_role()
-    return SimpleNamespace(
+    twins = flash_path.kernels_by_role(flash_path.family_of(name))  # its family's, signatures too
+    stand_in = SimpleNamespace(
         __name__=f"attnguard twins of {name}",
         flash_attn_func=twins.get("flash_attn_func"),
         flash_attn_varlen_func=twins.get("flash_attn_varlen_func"),
         flash_attn_with_kvcache=twins.get("flash_attn_with_kvcache"),
     )
+    flash_utils = sys.modules.get(flash_path.MODULE)
+    forward = getattr(flash_utils, "_flash_attention_forward", None)
+    if "implementation" in wiring._named_parameters(forward):
+        # 4.56-4.57: the loader binds the kernel module into the attention function and
+        # resolves its functions at once (the flash path would otherwise take whichever
+        # flash-attn it finds, not this kernel's family)
+        registry.register(key, functools.partial(wrapper, implementation=stand_in))
+        flash_utils.lazy_import_flash_attention(stand_in, force_import=True)
+    return stand_in
 
 
 # --- patch / unpatch ----------------------------------------------------------------------------
