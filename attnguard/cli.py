@@ -17,8 +17,9 @@ DESCRIPTION = (
 )
 
 
-def _run(cmd: Sequence[str]) -> int:
-    """Exec ``cmd`` with ATTNGUARD=1 (children such as torchrun's workers inherit it)."""
+def _run(cmd: Sequence[str], verify: str | None = None) -> int:
+    """Exec ``cmd`` with ATTNGUARD=1 (children such as torchrun's workers inherit it);
+    ``verify``: ATTNGUARD_VERIFY for it (the opt-in numbers check)."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
@@ -33,8 +34,11 @@ def _run(cmd: Sequence[str]) -> int:
     # Validate ATTNGUARD_* here, where a clear error is cheap, not in every child: the settings,
     # and the log file opened as the command will open it (this process's pid is the
     # command's: it is exec'd).
-    probe_log_files(load())
-    env = dict(os.environ, ATTNGUARD="1")
+    environ = dict(os.environ)
+    if verify is not None:
+        environ["ATTNGUARD_VERIFY"] = verify
+    probe_log_files(load(environ))
+    env = dict(environ, ATTNGUARD="1")
     env.pop(PARENT_VAR, None)  # the command is a program of its own, never a guarded helper
     exe = shutil.which(cmd[0], path=env.get("PATH"))
     if exe is None:
@@ -61,6 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"attnguard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a command with ATTNGUARD=1")
+    p_run.add_argument(
+        "--verify",
+        metavar="RATE",
+        help="check a sample of attention calls against their reference (ATTNGUARD_VERIFY: "
+        "a rate such as 0.001, first:N, all, on, off)",
+    )
     p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
     p_doc = sub.add_parser("doctor", help="this machine's facts, backends and the plan for flash")
     p_doc.add_argument("--json", action="store_true", help="machine-readable output")
@@ -73,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            return _run(args.cmd)
+            return _run(args.cmd, args.verify)
         if args.command == "doctor":
             from .doctor import render
 

@@ -79,8 +79,8 @@ def guard(
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
         settings = in_force.settings
-        if settings.verify and not compiling() and not inside.on:  # opt-in: attnguard.verify
-            return checked(entry, attnguard_attention, args, kwargs)
+        if settings.verify and not compiling() and not inside.on and inside.skip is not entry:
+            return checked(entry, attnguard_attention, args, kwargs)  # opt-in: attnguard.verify
         if settings.enabled:
             fastest = selectable and settings.kernel == "fastest"  # opt-in: attnguard.selection
             faster = _UNSERVED

@@ -45,6 +45,7 @@ __all__ = ["INSIDE", "call", "reset"]
 
 class _Inside(threading.local):
     on = False  # this thread is inside a call the check handles: nested entries leave it alone
+    skip: Any = None  # the entry whose call runs now without a check of its own
 
 
 INSIDE = _Inside()
@@ -77,14 +78,19 @@ def call(entry: Any, guarded: Callable[..., Any], args: tuple, kwargs: dict) -> 
         if sampled and not info.checkable:
             numerics.note_skipped("no_reference")
             sampled = False
-        if sampled and _capturing(entry, args, kwargs):
+        if sampled and _capturing():
             numerics.note_skipped("cuda_graph_capture")
             sampled = False
     except Exception as exc:
         _failed(entry, args, exc)
         sampled = False
-    if info is None or not info.checkable:
-        return guarded(*args, **kwargs)  # an entry inside it may have a reference
+    if info is None or not info.checkable:  # an entry inside it may have a reference
+        skipped = INSIDE.skip
+        INSIDE.skip = entry
+        try:
+            return guarded(*args, **kwargs)
+        finally:
+            INSIDE.skip = skipped
     before = INSIDE.on
     INSIDE.on = True
     try:
@@ -120,12 +126,10 @@ def _describe(entry: Any) -> _Info:
     return info
 
 
-def _capturing(entry: Any, args: tuple, kwargs: dict) -> bool:
-    index, key = entry.slots[entry.tensors[0]]
-    q = args[index] if index is not None and index < len(args) else kwargs.get(key)
-    if not isinstance(q, torch.Tensor) or not q.is_cuda:
-        return False
-    return bool(torch.cuda.is_current_stream_capturing())
+def _capturing() -> bool:
+    """A CUDA graph is being captured on this thread's stream: a reference computed now would
+    be captured into it."""
+    return torch.cuda.is_available() and bool(torch.cuda.is_current_stream_capturing())
 
 
 def _check(entry: Any, info: _Info, settings: Any, args: tuple, kwargs: dict, out: Any) -> None:
