@@ -190,9 +190,10 @@ def _reference(
     twin = references.twin_of(entry, info.convention, info.family)
     explicit = references.explicit_of(entry, info.convention)
     dtype = references.reference_dtype(one.q.device)
+    what = "flash_entry_on_sdpa" if entry.kind == EntryKind.REGISTRY_FLASH else "twin"
     fits = by == KERNEL and twin is not None and not one.unsupported
     if fits and references.within_budget(one, dtype):
-        label = f"twin_{str(dtype).removeprefix('torch.')}"
+        label = f"{what}_{str(dtype).removeprefix('torch.')}"
         return references.run_twin(twin, one, dtype), None, label
     if explicit is not None:
         found = explicit(one, u)
@@ -200,7 +201,7 @@ def _reference(
             return found[0], found[1], "explicit_float64"
     if one.unsupported:
         return "unsupported"
-    fallback, label = twin, "twin_float64"
+    fallback, label = twin, f"{what}_float64"
     if fallback is None and entry.kind == EntryKind.REGISTRY_SDPA:
         fallback, label = entry.original, "library_float64"
     if fallback is None:

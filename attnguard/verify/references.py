@@ -8,8 +8,11 @@
 * attnguard's twin computed it (the kernel cannot run here, the call was rerouted, the site is
   latched after a kernel error): the explicit float64 reference of the family's rules, which
   shares no code with the twins; where that cannot express the call (rotary KV caches, xformers'
-  block-diagonal biases, transformers' flash path over a 4-D mask), the twin itself in float64
-  (``twin_float64``: catches precision faults, not a wrong rule).
+  block-diagonal biases), the twin itself in float64 (``twin_float64``: catches precision
+  faults, not a wrong rule). transformers' flash entry computed by the flash-attn twins inside
+  its code path is checked against the entry computed on SDPA (``flash_entry_on_sdpa_*``: its
+  own masks from the call's padding, packed rows, window and sinks, no code of the flash-attn
+  twins).
 * transformers' sdpa entry and diffusers' backends: the explicit reference of the library's
   documented semantics; transformers' sdpa entry where that cannot express the call: its own
   function in float64 (``library_float64``).
