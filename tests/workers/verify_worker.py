@@ -1,16 +1,22 @@
 """A program calling flash-attn's ``flash_attn_func`` directly, for tests/test_verify_e2e.py.
 
     python verify_worker.py make DIR          # write a CPU flash-attn 2.8.3 stand-in into DIR
-    python verify_worker.py run CALLS [BUG]   # CALLS calls of flash_attn_func; one JSON line
+    python verify_worker.py run CALLS         # CALLS calls of flash_attn_func; one JSON line
+    python verify_worker.py hub FORWARDS      # tiny Llamas on a hub kernel; one JSON line
 
 ``make`` writes a package ``flash_attn`` (with its ``flash_attn-2.8.3.dist-info``) whose
 functions have flash-attn 2.8.3's signatures and compute its semantics on the CPU in float32
 (never importing attnguard), except for the bug the environment names: ``FLASH_STANDIN_BUG=window``
 (a sliding window one key wider on the left than asked), ``scale`` (``1/sqrt(head_dim - 1)``
 where none is given) or ``none``; ``FLASH_STANDIN_BUG_RANK`` limits the bug to that rank.
-``run`` is the user's program: it imports attnguard as the start-up hook would have
-(``ATTNGUARD=1``), makes a process group when launched by torchrun (gloo), calls
+``run`` is the user's program, guarded only by attnguard's start-up hook (``ATTNGUARD=1``): it
+makes a process group when launched by torchrun (gloo), calls
 ``flash_attn_func`` with float16 tensors and a sliding window, and prints what it computed.
+``hub`` loads two tiny bfloat16 Llamas (head_dim 16 and 32) with
+``attn_implementation="kernels-community/flash-attn2"``, the hub kernel served through
+``LOCAL_KERNELS`` (set by the test, with ``WORK_DIR`` for the checkpoints), runs ``FORWARDS``
+forwards of each and prints the numbers check's counts and the implementation each model ended
+with.
 """
 
 from __future__ import annotations
@@ -95,9 +101,7 @@ def make(root: Path) -> None:
 
 
 def run(calls: int) -> dict[str, object]:
-    import torch
-
-    import attnguard  # noqa: F401  (ATTNGUARD=1 in the environment: as the start-up hook)
+    import torch  # with ATTNGUARD=1, attnguard's start-up hook guards the flash_attn import
 
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -121,9 +125,45 @@ def run(calls: int) -> dict[str, object]:
     return {"sums": sums, "guarded": guarded}
 
 
+def hub(forwards: int) -> dict[str, object]:
+    import torch
+    import transformers  # with ATTNGUARD=1, guarded by attnguard's start-up hook
+
+    from attnguard.observability import numerics
+
+    loaded = []
+    for head_dim in (16, 32):
+        config = transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=4 * head_dim,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=0,
+        )
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        path = Path(os.environ["WORK_DIR"]) / f"llama-{head_dim}"
+        model.save_pretrained(path)
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            path, attn_implementation="kernels-community/flash-attn2", dtype=torch.bfloat16
+        )
+        loaded.append(model.config._attn_implementation)
+        ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            for _ in range(forwards):
+                model(input_ids=ids)
+    return {"loaded": loaded, "numerics": numerics.snapshot()}
+
+
 def main() -> None:
     if sys.argv[1] == "make":
         make(Path(sys.argv[2]))
+        return
+    if sys.argv[1] == "hub":
+        print(json.dumps(hub(int(sys.argv[2]))))
         return
     print(json.dumps(run(int(sys.argv[2]))))
 
