@@ -46,6 +46,8 @@ BUCKET_ARGS = (
     "alibi_slopes",
     "block_table",
 )
+# the ones transformers' registry functions get as keywords (not parameters of every function)
+REGISTRY_KWARGS = frozenset({"sliding_window", "softcap", "is_causal"})
 # the query's sequence axis, per convention (None: packed rows)
 _SEQ_AXIS = {FLASH: 1, XFORMERS: 1, TRANSFORMERS: 2, DIFFUSERS: 1}
 
@@ -381,23 +383,6 @@ _READERS: dict[str, Callable[[str, Family | None, dict[str, Any]], Call]] = {
     TRANSFORMERS: _transformers,
     DIFFUSERS: _diffusers,
 }
-
-
-def bucket_flags(entry: Any, positions: dict[str, int], args: tuple, kwargs: dict) -> tuple:
-    """What of a call changes its kernel's code path, cheaply (a sampling bucket's key): the
-    values of :data:`BUCKET_ARGS` it passes (a mask or bias by its kind and rank)."""
-    out = []
-    for name, index in positions.items():
-        value = args[index] if 0 <= index < len(args) else kwargs.get(name)
-        if value is None or isinstance(value, (bool, int, float, str)):
-            out.append(value)
-        elif isinstance(value, Tensor):
-            out.append(value.dim())
-        elif isinstance(value, (tuple, list)):
-            out.append(tuple(value))
-        else:
-            out.append(type(value).__name__)
-    return tuple(out)
 
 
 PACKED_FUNCTIONS = frozenset(

@@ -12,10 +12,13 @@ checks the same calls.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from .calls import BUCKET_ARGS, seq_axis
+import torch
+
+from .calls import BUCKET_ARGS, REGISTRY_KWARGS, seq_axis
+
+Tensor = torch.Tensor
 
 MAX_BUCKETS = 4096  # beyond: buckets by entry point and dtype only
 
@@ -41,7 +44,6 @@ class Sampler:
 
 _samplers: dict[str, Sampler] = {}
 _counters: dict[Any, int] = {}
-_lock = threading.Lock()
 
 
 def sampler(setting: str) -> Sampler:
@@ -52,43 +54,63 @@ def sampler(setting: str) -> Sampler:
 
 
 class Layout:
-    """Where an entry's bucket facts sit in its calls (read once per entry)."""
+    """Where an entry's bucket facts sit in its calls (read once per entry): the query's slot,
+    and the slots of the arguments of :data:`.calls.BUCKET_ARGS` it can be given."""
 
     def __init__(self, entry: Any, convention: str) -> None:
         params = entry.params
-        self.positions = {n: (params.index(n) if n in params else -1) for n in BUCKET_ARGS}
-        self.query = entry.slots[entry.tensors[0]]
+        index, self.q_key = entry.slots[entry.tensors[0]]
+        self.q_index = _NOWHERE if index is None else index
+        self.head_axis = entry.head_axis
         self.seq_axis = seq_axis(convention, entry)
         self.registry = convention == "transformers"
+        self.reads = tuple(
+            (params.index(n) if n in params else _NOWHERE, n)
+            for n in BUCKET_ARGS
+            if n in params or (self.registry and n in REGISTRY_KWARGS)
+        )
+
+
+_NOWHERE = 1 << 30  # no positional slot: keywords only
+_PLAIN = (bool, int, float, str, tuple)
 
 
 def bucket(entry: Any, layout: Layout, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from .calls import bucket_flags
-
-    index, key = layout.query
-    q = args[index] if index is not None and index < len(args) else kwargs.get(key)
-    site = (id(entry), type(args[0]) if layout.registry and args else None)
-    if q is None or not hasattr(q, "dtype"):
-        return site
-    axis = layout.seq_axis
-    decode = axis is not None and q.dim() > axis and q.shape[axis] == 1
-    head_dim = q.shape[entry.head_axis] if q.dim() else 0
-    key_ = (*site, q.dtype, head_dim, decode, bucket_flags(entry, layout.positions, args, kwargs))
-    if len(_counters) >= MAX_BUCKETS and key_ not in _counters:
-        return (*site, q.dtype)
-    return key_
+    """The call's bucket: cheap reads only (this runs for every call while the check is on)."""
+    n = len(args)
+    q = args[layout.q_index] if layout.q_index < n else kwargs.get(layout.q_key)
+    key: list[Any] = [id(entry), type(args[0]) if layout.registry and n else None]
+    if isinstance(q, Tensor):
+        shape = q.shape
+        axis = layout.seq_axis
+        key += (q.dtype, shape[layout.head_axis], axis is not None and shape[axis] == 1)
+    for index, name in layout.reads:
+        value = args[index] if index < n else kwargs.get(name)
+        if value is None or value.__class__ in _PLAIN:
+            key.append(value)
+        elif isinstance(value, Tensor):
+            key.append(value.dim())
+        elif isinstance(value, list):
+            key.append(tuple(value))
+        else:
+            key.append(value.__class__)
+    found = tuple(key)
+    if len(_counters) >= MAX_BUCKETS and found not in _counters:
+        return tuple(key[:3])
+    return found
 
 
 def take(entry: Any, layout: Layout, setting: str, args: tuple, kwargs: dict) -> bool:
-    """Count this call in its bucket; True when it is one the setting checks."""
+    """Count this call in its bucket; True when it is one the setting checks. (Counted without a
+    lock: two threads may both read a count before either writes it; a count off by one in a
+    race moves which call is checked, never whether calls are.)"""
     key = bucket(entry, layout, args, kwargs)
-    with _lock:
-        n = _counters.get(key, 0)
-        _counters[key] = n + 1
-    return sampler(setting).takes(n)
+    n = _counters.get(key, 0)
+    _counters[key] = n + 1
+    found = _samplers.get(setting)
+    return (found if found is not None else sampler(setting)).takes(n)
 
 
 def reset() -> None:
     """Forget the counters (tests)."""
-    with _lock:
-        _counters.clear()
+    _counters.clear()
