@@ -212,6 +212,20 @@ def test_a_bug_at_one_head_dimension_is_met_at_its_first_call(
     assert said["shapes"]["q"][-1] == 32
 
 
+def test_a_call_the_guard_unified_is_checked_at_the_precision_it_ran_in(
+    captured: list[dict[str, Any]],
+) -> None:
+    """q float32, k and v float16 (a custom model's mixed dtypes): the guard gives the kernel
+    one half dtype; the right kernel's numbers pass against the float64 reference."""
+    attnguard.activate(log="none", verify="all", disable="reroute")
+    right = guarded(kernel())
+    for n in range(6):
+        q, k, v = qkv(seed=n)
+        right(q.float(), k, v, causal=True, window_size=(n, -1))
+    assert numerics.snapshot() == {"checked": 6, "mismatched": 0, "skipped": {}}
+    assert [e["event"] for e in captured if e["event"] != "activated"] == ["qkv_unified"]
+
+
 # --- modes, and what is never changed -----------------------------------------------------------
 
 

@@ -136,9 +136,10 @@ def _check(entry: Any, info: _Info, settings: Any, args: tuple, kwargs: dict, ou
     """Compare a sampled call's output with its reference (never changes ``out``)."""
     try:
         one = calls.read(entry, info.convention, info.family, args, kwargs)
-        if one.q.device.type == "meta":
-            numerics.note_skipped("unsupported")
+        if one.q.device.type == "meta" or not all(t.dtype in UNIT_ROUNDOFF for t in one.qkv):
+            numerics.note_skipped("unsupported")  # no values, or quantized inputs
             return
+        one = calls.on_one_device(one)  # a call the guard aligned: its reference on q's device
         if one.dropout > 0:
             numerics.note_skipped("dropout")
             return
@@ -176,11 +177,12 @@ def _check(entry: Any, info: _Info, settings: Any, args: tuple, kwargs: dict, ou
 
 def _roundoff(info: _Info, one: calls.Call, by: str) -> float:
     """``u`` of the precision the call was computed in: a flash-attn family's kernel computes in
-    a half dtype whatever it is handed (float32 inputs are cast for it)."""
-    dtype = one.q.dtype
-    if by == KERNEL and info.family in FLASH_FAMILIES and dtype not in _HALF:
+    a half dtype whatever it is handed (float32 inputs are cast for it), else the least precise
+    of q, k and v."""
+    if by == KERNEL and info.family in FLASH_FAMILIES and one.q.dtype not in _HALF:
         return UNIT_ROUNDOFF[torch.bfloat16]
-    return unit_roundoff(dtype, one.q.device)
+    # q/k/v of mixed dtypes are unified before the kernel: the least precise one bounds it
+    return max(unit_roundoff(t.dtype, one.q.device) for t in one.qkv)
 
 
 def _reference(

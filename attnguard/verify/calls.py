@@ -85,6 +85,10 @@ class Call:
     matters: dict[str, Any] = field(default_factory=dict)  # the arguments events name
 
     @property
+    def qkv(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.q, self.k, self.v
+
+    @property
     def keys(self) -> int:
         """Keys per query at most: the accumulation length."""
         if self.convention == FLASH and "max_seqlen_k" in self.named:
@@ -108,6 +112,21 @@ def read(entry: Any, convention: str, family: Family | None, args: tuple, kwargs
             named[key] = value
     reader = _READERS[convention]
     return reader(entry.name, family, named)
+
+
+def on_one_device(call: Call) -> Call:
+    """The call with every tensor argument on the query's device (the guard aligns a call whose
+    inputs it found on several devices before the kernel; its reference is computed so too)."""
+    dev = call.q.device
+    moved = {
+        key: value.to(dev) if isinstance(value, Tensor) and value.device != dev else value
+        for key, value in call.named.items()
+    }
+    if all(moved[key] is call.named[key] for key in moved):
+        return call
+    again = _READERS[call.convention](call.name, call.family, moved)
+    again.dropout = call.dropout
+    return again
 
 
 def _scale(value: Any, head_dim: int) -> float:
