@@ -384,3 +384,29 @@ def test_a_malformed_record_count_is_left_out() -> None:
         "skipped": {},
     }
     assert numerics.clean("nonsense") == {}
+
+
+def test_the_alert_recipe_pages_once_per_kernel() -> None:
+    """docs/observability.md's alert on ``numerics_mismatch``, run as written."""
+    import logging
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "observability.md").read_text()
+    block = re.search(r"<!-- recipe: numerics-alert -->\s*```python\n(.*?)```", doc, re.S)
+    assert block, "docs/observability.md lost its numbers-check alert recipe"
+    namespace: dict[str, Any] = {}
+    exec(compile(block.group(1), "observability.md", "exec"), namespace)
+    pages: list[str] = []
+    alert = namespace["alert"]
+    alert.page = pages.append
+    try:
+        attnguard.activate(log="none", verify="all", disable="reroute")
+        wrong = guarded(kernel("window"))
+        for n in range(3):
+            wrong(*qkv(seed=n), causal=True, window_size=(3, -1))
+        guarded(kernel())(*qkv(), causal=True)
+    finally:
+        logging.getLogger("attnguard").removeHandler(alert)
+    assert len(pages) == 1 and "flash-attn flash_attn_func (flash-attn 2)" in pages[0]
+    assert "kernel_numbers_differ" in pages[0] and "rank 0" in pages[0]
