@@ -19,9 +19,10 @@ entry point (:func:`_remedy_call`), where the remedies live, in this order:
   announcing anything: a call the twin refuses is the caller's own, which runs as made.
 
 Which kernel computes a call, and why, is decided in :mod:`attnguard.kernels`; this module only
-applies it. With the opt-in numbers check on (``ATTNGUARD_VERIFY``), the closure hands the call to
-:mod:`attnguard.verify`, which runs it as above and checks a sample against its reference. Modes: fix applies remedies; warn emits the same events with ``applied=False`` and
-changes nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
+applies it. With the opt-in numbers check on (``ATTNGUARD_VERIFY``), the closure hands the call
+to :mod:`attnguard.verify`, which runs it as above and checks a sample against its reference.
+Modes: fix applies remedies; warn emits the same events with ``applied=False`` and changes
+nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
 torch.compile trace nothing is emitted or latched (side effects break ``fullgraph=True``), but the
 fixes still land in the graph because they are plain tensor ops decided from static facts.
 """
