@@ -78,24 +78,54 @@ def test_a_real_model_passes_every_check(
     assert said(captured) == []
 
 
-def _wrong_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), is_causal=True
-    )
-    return out.transpose(1, 2).flip(1).contiguous(), None  # the rows in the wrong order
+def test_a_wrong_sdpa_kernel_under_transformers_sdpa_entry_is_caught(
+    monkeypatch: pytest.MonkeyPatch, captured: list[dict[str, Any]]
+) -> None:
+    """SDPA's fused kernels serve half precision; one wrong on this machine (here: causal
+    dropped for bfloat16) is caught against the explicit reference and against transformers'
+    own function run in float64, which SDPA computes on its math path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-
-def test_a_wrong_function_in_the_sdpa_entry_is_caught(captured: list[dict[str, Any]]) -> None:
     from attnguard.integrations.transformers import attention
 
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def fused(query, key, value, *args, **kwargs):
+        if query.dtype is torch.bfloat16:
+            kwargs["is_causal"] = False
+        return real(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fused)
     attnguard.activate(log="none", verify="all")
-    entry = attention.wrap_registry_entry("sdpa", _wrong_sdpa, kernels.EntryKind.REGISTRY_SDPA)
+    entry = attention.wrap_registry_entry("sdpa", sdpa_attention_forward)
     module = torch.nn.Module()
     module.is_causal = True
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, 8, 16, generator=g) for h in (4, 2, 2))
-    entry(module, q, k, v, None)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=g) for _ in range(3))
+    entry(module, q, k, v, None)  # float32: right
+    entry(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None)
+    assert numerics.snapshot() == {"checked": 2, "mismatched": 1, "skipped": {}}
     assert said(captured) == [("kernel_numbers_differ", "kernel", "explicit_float64")]
+
+
+def test_a_releases_own_rule_of_causality_stands(captured: list[dict[str, Any]]) -> None:
+    """Which sdpa calls transformers makes causal has changed between releases: where the
+    explicit reference's reading of it differs from the release's own function, that function
+    in float64 decides, and right numbers are not called wrong."""
+    from attnguard.integrations.transformers import attention
+
+    def always_causal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    attnguard.activate(log="none", verify="all")
+    entry = attention.wrap_registry_entry("sdpa", always_causal, kernels.EntryKind.REGISTRY_SDPA)
+    module = torch.nn.Module()
+    module.is_causal = False  # a release that does not read it
+    q = torch.randn(1, 2, 8, 16)
+    entry(module, q, q.flip(2), q, None)
+    assert numerics.snapshot() == {"checked": 1, "mismatched": 0, "skipped": {}}
+    assert said(captured) == []
 
 
 def test_a_flash_function_inside_the_flash_entry_is_checked_once() -> None:

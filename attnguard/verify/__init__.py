@@ -154,6 +154,10 @@ def _check(entry: Any, info: _Info, settings: Any, args: tuple, kwargs: dict, ou
             vmax = references.finite_max(calls.used_values(one))
             kernel_out = references.first_tensor(out)
             outcome = compare(kernel_out, ref, allowance, u=u, vmax=vmax, keys=one.keys)
+            if not outcome.ok and label == "explicit_float64":
+                outcome, label = _second_opinion(
+                    entry, one, kernel_out, allowance, u, vmax, outcome
+                )
             del ref, allowance, found
         numerics.note_checked(not outcome.ok)
         if not outcome.ok:
@@ -173,6 +177,25 @@ def _check(entry: Any, info: _Info, settings: Any, args: tuple, kwargs: dict, ou
     except Exception as exc:
         numerics.note_skipped("error")
         _failed(entry, args, exc)
+
+
+def _second_opinion(
+    entry: Any,
+    one: calls.Call,
+    kernel_out: torch.Tensor,
+    allowance: torch.Tensor | None,
+    u: float,
+    vmax: float,
+    outcome: Any,
+) -> tuple[Any, str]:
+    """transformers' sdpa entry whose output the explicit reference rejects: its own function,
+    run in float64 (the semantics of this very release: which calls it makes causal has changed
+    between releases), decides. The mismatch stands only where both references reject it."""
+    if entry.kind != EntryKind.REGISTRY_SDPA or not references.within_budget(one, torch.float64):
+        return outcome, "explicit_float64"
+    ref = references.run_twin(entry.original, one, torch.float64)
+    again = compare(kernel_out, ref, allowance, u=u, vmax=vmax, keys=one.keys)
+    return (again, "library_float64") if again.ok else (outcome, "explicit_float64")
 
 
 def _roundoff(info: _Info, one: calls.Call, by: str) -> float:

@@ -14,8 +14,10 @@
   own masks from the call's padding, packed rows, window and sinks, no code of the flash-attn
   twins).
 * transformers' sdpa entry and diffusers' backends: the explicit reference of the library's
-  documented semantics; transformers' sdpa entry where that cannot express the call: its own
-  function in float64 (``library_float64``).
+  documented semantics. transformers' sdpa entry where that cannot express the call, or rejects
+  its output: its own function in float64 (``library_float64``: SDPA computes float64 on its
+  math path, so a fused kernel is still checked, and which calls a release makes causal is that
+  release's own), a mismatch standing only where both references reject the output.
 
 Families with no reference (a kernel whose semantics are its own, flex attention, paged entries)
 are not checked (``no_reference``).
