@@ -137,10 +137,11 @@ def test_a_bad_value_is_one_clear_line_and_the_program_runs(
     with pytest.raises(ValueError, match="ATTNGUARD_VERIFY"):
         attnguard.activate(log="none", verify=bad)  # the caller's own argument: an error
     monkeypatch.setenv("ATTNGUARD_VERIFY", bad)
-    settings = attnguard.activate(log="none")  # from the environment: one line, unguarded
+    settings = attnguard.activate(log="none")  # from the environment: one line, the check off
     lines = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(lines) == 1 and "ATTNGUARD_VERIFY" in lines[0] and "first:N" in lines[0]
-    assert not settings.enabled
+    assert "the numbers check stays off" in lines[0]
+    assert settings.enabled and settings.verify == ""  # the guard itself stays on
     assert config.load({"ATTNGUARD_VERIFY": "first:2"}).verify == "first:2"
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import kernels
 from ..computing import NOW, subject
-from ..kernel_identity import FLASH_FAMILIES, Family
+from ..kernel_identity import FLASH_FAMILIES, Family, KernelId, Source
 from ..kernels import EntryKind
 from . import calls
 from .calls import DIFFUSERS, FLASH, TRANSFORMERS, XFORMERS, Call
@@ -49,17 +49,13 @@ def family_twins(family: Family | None) -> dict[str, Callable[..., Any]]:
     """Each family's twins, by the name of the function they stand for (flash-attn 3's and 4's
     keep flash-attn's names)."""
     from .. import fallback
-    from ..fallback import fa3_fa4
+    from ..fallback import families
 
     if family is Family.FA2:
         return dict(fallback.FLASH_FUNCTIONS)
-    if family is Family.FA3:
-        return {
-            "flash_attn_func": fa3_fa4.flash_attn_3_func,
-            "flash_attn_varlen_func": fa3_fa4.flash_attn_3_varlen_func,
-        }
-    if family is Family.FA4:
-        return {"flash_attn_func": fa3_fa4.flash_attn_4_func}
+    if family in (Family.FA3, Family.FA4):
+        twins = families.of_kernel(KernelId(family.value, Source.TWIN, family))
+        return {role: fn for role, fn in (twins.twins if twins else {}).items() if fn is not None}
     if family is Family.XFORMERS:
         return {"memory_efficient_attention": fallback.xformers_memory_efficient_attention}
     return {}

@@ -23,53 +23,42 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from ... import kernel_identity, runtime
-from ...computing import NOW, subject
+from ... import runtime
+from ...computing import NOW
 from ...fallback import families
 from ...fallback.families import Family
-from ...kernels import Kernel, Verdict, flash_kernel_unusable
-from ..ledger import Ledger
+from ...kernels import flash_kernel_unusable
 from . import twin_calls
 from . import wiring as transformers_wiring
+from .flash_serving import (
+    announce,
+    refresh_serving,
+    serving,
+)
+from .flash_state import (
+    FA2_REQUEST,
+    FLASH_IMPLEMENTATIONS,
+    MODULE,
+    REQUEST_OF,
+    SITE,
+    clear_lazy_cache,
+    family_of,
+    ledger,
+    state,
+)
 from .wiring import GLOBALS, INDEX, IS_FA3, PAD, UNPAD, VARLEN, Unrecognised, Wiring
-
-MODULE = "transformers.modeling_flash_attention_utils"
-SITE = "transformers.flash_kernels"
-_FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-FA2_REQUEST = _FLASH_IMPLEMENTATIONS[0]
-
-ledger = Ledger("transformers_kernels")
-
-
-class _State:
-    """What this process knows about the patched module's flash path."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.module: ModuleType | None = None
-        self.wiring: Wiring | None = None
-        self.unrecognised = "transformers' flash code path has not been read"
-        # probe.Result of flash-attn 2's twins (the wiring's check), once run
-        self.probe: Any = None
-        self.probes: dict[Family, Any] = {}  # probe.Result per family whose twins it was run on
-        self.override = threading.local()  # the probe's recorders, on the probing thread only
-
-
-_state = _State()
-
 
 # --- is the flash path kept? ---------------------------------------------------------------------
 
 
 def wiring() -> Wiring | None:
     """The recognised wiring of the patched module (None: unread or unrecognised)."""
-    return _state.wiring
+    return state.wiring
 
 
 def unrecognised(implementation: Any = FA2_REQUEST) -> str:
@@ -78,21 +67,21 @@ def unrecognised(implementation: Any = FA2_REQUEST) -> str:
     recognises, or the probe found its behaviour differs with those twins. flash-attn 2's twins
     are probed first: where the path fails with them, attnguard steps aside for every family."""
     family = family_of(implementation)
-    with _state.lock:
-        if _state.wiring is None or _state.module is None:
-            return _state.unrecognised
-        if _state.probe is None:
-            _state.probe = _state.probes[families.FA2] = _probe(families.FA2)
-            _refresh_serving()  # the probe may have found an argument not computed
-            if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
+    with state.lock:
+        if state.wiring is None or state.module is None:
+            return state.unrecognised
+        if state.probe is None:
+            state.probe = state.probes[families.FA2] = _probe(families.FA2)
+            refresh_serving()  # the probe may have found an argument not computed
+            if not state.probe.ok:  # step aside: the flash path runs as transformers wrote it
                 ledger.unpatch_all()
-                if _state.wiring.layout != GLOBALS:
-                    _clear_lazy_cache(_state.module, _state.wiring)
-        if not _state.probe.ok:
-            return _state.probe.reason
+                if state.wiring.layout != GLOBALS:
+                    clear_lazy_cache(state.module, state.wiring)
+        if not state.probe.ok:
+            return state.probe.reason
         if family is families.FA2:
             return ""
-        if _state.wiring.layout == GLOBALS:  # the globals it binds at import are flash-attn 2's
+        if state.wiring.layout == GLOBALS:  # the globals it binds at import are flash-attn 2's
             return (
                 f"it binds flash-attn's functions at import, and attnguard's twins stand in for "
                 f"flash-attn 2's only, not for {family}'s"
@@ -100,10 +89,10 @@ def unrecognised(implementation: Any = FA2_REQUEST) -> str:
         unmasked = _no_flash_mask(implementation)
         if unmasked:
             return unmasked
-        found = _state.probes.get(family)
+        found = state.probes.get(family)
         if found is None:
-            found = _state.probes[family] = _probe(family)
-            _refresh_serving()
+            found = state.probes[family] = _probe(family)
+            refresh_serving()
         return "" if found.ok else found.reason
 
 
@@ -116,7 +105,7 @@ def _no_flash_mask(implementation: Any) -> str:
     import importlib
 
     name = implementation.split("|", 1)[-1] if isinstance(implementation, str) else None
-    if name not in _FLASH_IMPLEMENTATIONS:
+    if name not in FLASH_IMPLEMENTATIONS:
         return ""
     try:
         masks = importlib.import_module("transformers.masking_utils").ALL_MASK_ATTENTION_FUNCTIONS
@@ -132,37 +121,14 @@ def _probe(family: Family) -> Any:
     """The probe's verdict on transformers' flash path handed ``family``'s twins."""
     from . import probe
 
-    assert _state.module is not None and _state.wiring is not None
+    assert state.module is not None and state.wiring is not None
     return probe.run(
-        _state.module,
-        _state.wiring,
+        state.module,
+        state.wiring,
         kernels=functools.partial(kernels_by_role, family),
         swapped=functools.partial(swapped_kernels, family=family),
-        implementation=_REQUEST_OF[family],
+        implementation=REQUEST_OF[family],
     )
-
-
-# the flash request the probe makes for each family (what transformers' path reads it by)
-_REQUEST_OF = {
-    families.FA2: "flash_attention_2",
-    families.FA3: "flash_attention_3",
-    families.FA3_VLLM: "flash_attention_3",
-    families.FA4: "flash_attention_4",
-}
-
-
-def family_of(implementation: Any) -> Family:
-    """The flash-attn family whose twins stand for ``implementation``'s kernel (a
-    ``flash_attention_N``, a hub kernel's name: :func:`attnguard.fallback.families.of_implementation`).
-    None (4.54-4.57 pass no implementation): the one transformers itself takes, flash-attn 3 where
-    its package is installed (its own ``is_flash_attn_3_available``), else flash-attn 2."""
-    if implementation is None:
-        check = getattr(_state.module, "is_flash_attn_3_available", None)
-        try:
-            return families.FA3 if callable(check) and check() else families.FA2
-        except Exception:
-            return families.FA2
-    return families.of_implementation(implementation) or families.FA2
 
 
 def stepped_aside(implementation: str) -> str:
@@ -193,17 +159,17 @@ def installed_flash_path() -> dict[str, Any]:
             "kept_on_twins": False,
             "why": f"transformers does not import ({type(exc).__name__})",
         }
-    ours = _state.module is None
+    ours = state.module is None
     if ours:
         patch(module)
     try:
-        why, wired, offset = unrecognised(), _state.wiring, _window_offset()
+        why, wired, offset = unrecognised(), state.wiring, _window_offset()
         return {
             "kept_on_twins": not why,
             "why": why,
             "wiring": wired.describe() if wired is not None else None,
             "window_size": None if offset is None else f"(w{offset[0]:+d}, w{offset[1]:+d})",
-            "probe_cases": list(getattr(_state.probe, "cases", ())),
+            "probe_cases": list(getattr(state.probe, "cases", ())),
         }
     finally:
         if ours:
@@ -217,7 +183,7 @@ def covers(model_class: type | None = None, implementation: Any = FA2_REQUEST) -
     functions in their own module)."""
     if unrecognised(implementation):
         return False
-    wired = _state.wiring
+    wired = state.wiring
     if wired is not None and wired.layout == GLOBALS and model_class is not None:
         return bool(getattr(model_class, "_supports_attention_backend", False))
     return True
@@ -234,8 +200,8 @@ def flash_window(sliding_window: int) -> tuple[int, int] | None:
 
 def _window_offset() -> tuple[int, int] | None:
     """The window convention as (left - w, right - w): recorded by the probe, else read."""
-    offset = getattr(_state.probe, "window_offset", None)
-    return offset if offset is not None else getattr(_state.wiring, "window_offset", None)
+    offset = getattr(state.probe, "window_offset", None)
+    return offset if offset is not None else getattr(state.wiring, "window_offset", None)
 
 
 # --- the twins, and saying so -------------------------------------------------------------------
@@ -254,65 +220,6 @@ def _twins(family: Family = families.FA2) -> dict[str, Callable[..., Any] | None
     return twins
 
 
-def announced(implementation: str, reason_code: str, problem: str, change: str) -> None:
-    """A load-time ``backend_fallback`` (the plan's ``flash-on-sdpa`` row) said the twins compute
-    ``implementation``'s flash path: the table of what computes now records it."""
-    NOW.set(
-        subject("transformers", implementation),
-        Verdict(_identity(implementation), True, "flash-on-sdpa", reason_code, problem, change),
-    )
-
-
-def _identity(implementation: str) -> kernel_identity.KernelId:
-    found = kernel_identity.of_request(implementation)
-    return found or kernel_identity.KernelId(implementation, kernel_identity.Source.PACKAGE, None)
-
-
-def _announce(implementation: str) -> None:
-    """Say once that the flash path's kernels are the twins, unless a load already said so (a
-    model loaded before attnguard was active, or switched to flash by hand, arrives here)."""
-    from ... import facts
-    from ...failopen import report_internal_error
-    from ...observability import events
-
-    try:
-        if kernel_identity.hub_repo(implementation):  # its loader said so when it failed
-            return
-        row = subject("transformers", implementation)
-        if NOW.get(row) is not None:
-            return
-        status = facts.current(runtime.settings()).backend(implementation)
-        problem = f"{implementation} calls: {status.reason}"
-        change = (
-            "attnguard's SDPA twins of the flash-attn functions compute transformers' flash "
-            "code path (same semantics)"
-        )
-        NOW.set(
-            row,
-            Verdict(
-                _identity(implementation),
-                True,
-                "flash-on-sdpa",
-                status.reason_code,
-                problem,
-                change,
-            ),
-        )
-        events.emit(
-            "backend_fallback",
-            site=SITE,
-            reason_code=status.reason_code,
-            reason=f"{problem}; {change}",
-            requested=implementation,
-            selected=Kernel.SDPA_TWIN.value,
-            attn_implementation=implementation,
-            slower=False,
-            applied=True,
-        )
-    except Exception as exc:
-        report_internal_error(SITE, exc)
-
-
 def _kernel_unusable(implementation: Any) -> bool:
     """The flash-attn kernel behind ``implementation`` cannot run here (probed once). ``None``
     (4.54-4.57 pass no implementation: transformers takes whichever flash-attn is installed)
@@ -325,7 +232,7 @@ def _kernel_unusable(implementation: Any) -> bool:
         names = (implementation.split("|", 1)[-1],)
     else:
         return False
-    if not all(n in _FLASH_IMPLEMENTATIONS for n in names):
+    if not all(n in FLASH_IMPLEMENTATIONS for n in names):
         return False
     settings = runtime.settings()
     return all(flash_kernel_unusable(n, settings) is not None for n in names)
@@ -365,7 +272,7 @@ def _kernels_for(module: ModuleType, family: Family = families.FA2) -> dict[str,
 
 def kernels_by_role(family: Family = families.FA2) -> dict[str, Any]:
     """The functions the flash path is handed for ``family``, by role (the probe records these)."""
-    module = _state.module
+    module = state.module
     if module is None:
         raise Unrecognised("the flash path is not patched")
     return {role: fn for role, fn in _kernels_for(module, family).items() if callable(fn)}
@@ -374,7 +281,7 @@ def kernels_by_role(family: Family = families.FA2) -> dict[str, Any]:
 def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: ModuleType) -> Any:
     @functools.wraps(original)
     def _lazy_imports(*args: Any, **kwargs: Any) -> Any:
-        kernels = getattr(_state.override, "kernels", None)  # the probe's, on its thread
+        kernels = getattr(state.override, "kernels", None)  # the probe's, on its thread
         if kernels is None:
             implementation = _implementation(wired, args, kwargs)
             try:
@@ -387,7 +294,7 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
             if not twins or unrecognised(implementation):  # the first such call runs the probe
                 return original(*args, **kwargs)
             chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
-            _announce(chosen)
+            announce(chosen)
             serving(chosen)
             kernels = _kernels_for(module, family_of(implementation))
         return tuple(kernels[role] for role in wired.returns)
@@ -395,67 +302,7 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
     return _lazy_imports
 
 
-def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
-    """Forget kernels resolved before (or, at unpatch, while) attnguard was active: the globals
-    the release caches them in are emptied, so its next flash call resolves them again."""
-    for name in wired.caches:
-        if wired.cached_by_presence:
-            vars(module).pop(name, None)
-        elif getattr(module, name, None) is not None:
-            setattr(module, name, None)
-
-
 # --- the globals layout ---------------------------------------------------------------------------
-
-
-def computed_for(implementation: Any = FA2_REQUEST) -> frozenset[str]:
-    """The keyword arguments of a flash registry call that transformers' flash path computes on
-    the twins of ``implementation``'s family (:mod:`.arguments`)."""
-    from . import arguments
-
-    family = family_of(implementation)
-    with _state.lock:
-        missed = getattr(_state.probes.get(family), "uncomputed", None) or {}
-        return arguments.computed_arguments(_state.wiring, set(missed), family)
-
-
-def _refresh_serving() -> None:
-    """What the twins compute, read again (a probe has run)."""
-    from . import arguments
-
-    computed_for()  # flash-attn 2's, the default of arguments.computed_arguments()
-    arguments.TWIN_ASIDE.clear()  # judged against the arguments computed before
-    for implementation in list(NOW.twin_arguments):
-        NOW.twin_arguments[implementation] = computed_for(implementation)
-
-
-def serving(implementation: str) -> None:
-    """The twins serve ``implementation``'s flash path from now on (a flash_attention_N or a hub
-    kernel that did not load): its registry calls are checked for arguments the twins would not
-    compute (:mod:`.arguments`)."""
-    from . import arguments
-
-    families_before = len(arguments._computed)
-    NOW.twin_arguments[implementation] = computed_for(implementation)
-    if len(arguments._computed) != families_before:  # another family: judged again
-        arguments.TWIN_ASIDE.clear()
-    watch_masks()
-
-
-def watch_masks() -> None:
-    """Watch whether transformers' own mask code holds packed rows apart (the exit summary's
-    advice: :mod:`.twin_calls`), from the first flash request on (its model's module imported the
-    mask code; its first forward builds a mask before any flash call)."""
-    twin_calls.watch_masks(sys.modules.get(twin_calls.MASKS), ledger)
-
-
-def stop_serving(implementation: str) -> None:
-    """``implementation``'s kernel loaded after all (a hub kernel the library tried again): the
-    twins no longer serve it, and the flash path resolves its kernels again at its next call."""
-    NOW.twin_arguments.pop(implementation, None)
-    module, wired = _state.module, _state.wiring
-    if module is not None and wired is not None and wired.layout != GLOBALS:
-        _clear_lazy_cache(module, wired)
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -468,7 +315,7 @@ def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
             if unrecognised():  # the probe failed: the release's own None global, called
                 raise TypeError("'NoneType' object is not callable")
             said[0] = True
-            _announce("flash_attention_2")
+            announce("flash_attention_2")
         return twin(*args, **kwargs)
 
     return kernel
@@ -519,7 +366,7 @@ def _patch_globals(module: ModuleType, wired: Wiring) -> None:
 def swapped_kernels(kernels: dict[str, Any], family: Family = families.FA2) -> Iterator[None]:
     """While open, transformers' flash path on this thread gets ``kernels`` (by role) instead of
     ``family``'s twins: the probe's recording stand-ins (:mod:`.probe`)."""
-    module, wired = _state.module, _state.wiring
+    module, wired = state.module, state.wiring
     if module is None or wired is None:
         raise Unrecognised("the flash path is not patched")
     with twin_calls.unwatched():
@@ -531,12 +378,12 @@ def _swapped(
 ) -> Iterator[None]:
     if wired.layout != GLOBALS:
         cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
-        _state.override.kernels = {**_kernels_for(module, family), **kernels}
-        _clear_lazy_cache(module, wired)
+        state.override.kernels = {**_kernels_for(module, family), **kernels}
+        clear_lazy_cache(module, wired)
         try:
             yield
         finally:
-            _state.override.kernels = None
+            state.override.kernels = None
             for name, value in cached.items():  # what was resolved before, as it was
                 if value is _MISSING:
                     vars(module).pop(name, None)
@@ -568,26 +415,26 @@ def _swapped(
 def patch(module: ModuleType) -> None:
     """Hand transformers' flash code path the twins where flash-attn's kernel cannot run, if its
     wiring is one attnguard recognises (otherwise remember why not)."""
-    with _state.lock:
-        _state.module, _state.probe = module, None
-        _state.probes.clear()
+    with state.lock:
+        state.module, state.probe = module, None
+        state.probes.clear()
         try:
             wired = transformers_wiring.read(module)
         except Unrecognised as exc:
-            _state.wiring, _state.unrecognised = None, str(exc)
+            state.wiring, state.unrecognised = None, str(exc)
             return
         except Exception as exc:  # reading a module we do not know: not recognised, say why
-            _state.wiring = None
-            _state.unrecognised = f"reading it failed ({type(exc).__name__})"
+            state.wiring = None
+            state.unrecognised = f"reading it failed ({type(exc).__name__})"
             return
-        _state.wiring, _state.unrecognised = wired, ""
+        state.wiring, state.unrecognised = wired, ""
     if wired.layout == GLOBALS:
         _patch_globals(module, wired)
         return
     ledger.patch(
         module, transformers_wiring.LAZY_FUNCTION, lambda o: _make_lazy_imports(o, wired, module)
     )
-    _clear_lazy_cache(module, wired)
+    clear_lazy_cache(module, wired)
 
 
 def preload(implementation: str) -> None:
@@ -609,10 +456,10 @@ def unpatch() -> None:
     twin_calls.reset()
     NOW.twin_arguments.clear()
     arguments.TWIN_ASIDE.clear()
-    with _state.lock:
-        module, wired = _state.module, _state.wiring
-        _state.module, _state.wiring, _state.probe = None, None, None
-        _state.probes.clear()
-        _state.unrecognised = "transformers' flash code path has not been read"
+    with state.lock:
+        module, wired = state.module, state.wiring
+        state.module, state.wiring, state.probe = None, None, None
+        state.probes.clear()
+        state.unrecognised = "transformers' flash code path has not been read"
     if module is not None and wired is not None and wired.layout != GLOBALS:
-        _clear_lazy_cache(module, wired)
+        clear_lazy_cache(module, wired)

@@ -15,7 +15,7 @@ from ... import runtime
 from ...errors import AttnGuardError
 from ...failopen import report_internal_error
 from ...plan import LoadRequest, is_flash, plan_backend
-from . import flash_path, hub, twin_calls
+from . import flash_serving, hub, twin_calls
 from .apply import active_settings, on_twins, report
 from .requests import SITE_INIT, SITE_SET_ATTN, sub_configs, support_fields
 from .scope import (
@@ -47,7 +47,7 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     support = support_fields(cls, requested)
     twin_calls.note_model(cls)  # what the advice may name for it (sub-models too)
     if support.get("flash_path_on_twins") or support.get("hub_kernel"):
-        flash_path.watch_masks()  # before the model's first forward builds its first mask
+        flash_serving.watch_masks()  # before the model's first forward builds its first mask
     if scope is not None and scope.backend_decided and support["supports_flash"]:
         # the outer load or model already decided (and reported) the backend
         # the request stays: its flash path is handed the twins of its own family
