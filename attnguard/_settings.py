@@ -29,6 +29,8 @@ class Settings:
     fp32_policy: str = "cast"
     kernel: str = "requested"
     kernel_cache: str = ""  # "": $XDG_CACHE_HOME/attnguard/kernels
+    # opt-in numbers check (attnguard.verify): "" off, "all", a rate ("0.001") or "first:N"
+    verify: str = ""
 
     @property
     def fastest(self) -> bool:

@@ -17,8 +17,9 @@ DESCRIPTION = (
 )
 
 
-def _run(cmd: Sequence[str]) -> int:
-    """Exec ``cmd`` with ATTNGUARD=1 (children such as torchrun's workers inherit it)."""
+def _run(cmd: Sequence[str], verify: str | None = None) -> int:
+    """Exec ``cmd`` with ATTNGUARD=1 (children such as torchrun's workers inherit it);
+    ``verify``: ATTNGUARD_VERIFY for it (the opt-in numbers check)."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
@@ -33,7 +34,10 @@ def _run(cmd: Sequence[str]) -> int:
     # before anything ran (exit 2), as for a bad option. One that only says where events go
     # (ATTNGUARD_LOG and its kin, the kernel cache) is no reason to refuse: the command's guard
     # says it once and uses its substitute (README "Configuration").
-    env = dict(os.environ, ATTNGUARD="1")  # this command's own switch
+    environ = dict(os.environ)
+    if verify is not None:
+        environ["ATTNGUARD_VERIFY"] = verify
+    env = dict(environ, ATTNGUARD="1")  # this command's own switch
     usage = [p for p in check(env) if p.usage]
     if usage:
         for problem in usage:
@@ -65,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"attnguard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="run a command with ATTNGUARD=1")
+    p_run.add_argument(
+        "--verify",
+        metavar="RATE",
+        help="check a sample of attention calls against their reference (ATTNGUARD_VERIFY: "
+        "a rate such as 0.001, first:N, all, on, off)",
+    )
     p_run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and its arguments")
     p_doc = sub.add_parser("doctor", help="this machine's facts, backends and the plan for flash")
     p_doc.add_argument("--json", action="store_true", help="machine-readable output")
@@ -82,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         if args.command == "run":
-            return _run(args.cmd)
+            return _run(args.cmd, args.verify)
         if args.command == "doctor":
             from .doctor import render
 

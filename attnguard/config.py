@@ -42,6 +42,14 @@ KERNEL_CACHE_HELP = (
     "an absolute path of a directory for the kernel decisions (one on a shared filesystem lets "
     "other nodes and later jobs reuse them), or empty for $XDG_CACHE_HOME/attnguard/kernels"
 )
+# ATTNGUARD_VERIFY (opt-in): a sampled check of attention calls against their family's reference
+# (attnguard.verify). Off words, on words (the default rate), "all", a rate, or "first:N".
+VERIFY_DEFAULT_RATE = "0.001"
+VERIFY_HELP = (
+    "off (0, false, no, empty) | on (1, true, yes: a rate of 0.001) | all | a rate in (0, 1], "
+    "e.g. 0.001 (every 1000th call per bucket, its first call included) | first:N (the first N "
+    "calls per bucket)"
+)
 # Backends a load-time fallback may select (transformers attn_implementation keys). "eager" is
 # always available; flash kernels are never a fallback target (they are what failed).
 FALLBACK_BACKENDS = ("sdpa", "eager", "flex_attention")
@@ -265,6 +273,33 @@ def _kernel_cache(var: str, value: Any) -> str:
     return os.path.normpath(path)
 
 
+def _verify(var: str, value: Any) -> str:
+    """ATTNGUARD_VERIFY in one spelling: "" (off), "all", a rate ("0.001") or "first:N"."""
+    if value is None or value is False:
+        return ""
+    if value is True:
+        return VERIFY_DEFAULT_RATE
+    given = value
+    if isinstance(value, (int, float)):  # in Python a number is a rate: verify=1 checks every call
+        value = "off" if value == 0 else repr(float(value))
+    text = str(value).strip().lower()
+    if text in _FALSE:
+        return ""
+    if text in _TRUE:
+        return VERIFY_DEFAULT_RATE
+    if text == "all":
+        return "all"
+    if text.startswith("first:") and text[6:].strip().isdigit() and int(text[6:]) >= 1:
+        return f"first:{int(text[6:])}"
+    try:
+        rate = float(text)
+    except ValueError:
+        raise _bad(var, given, VERIFY_HELP) from None
+    if not 0.0 < rate <= 1.0:
+        raise _bad(var, given, VERIFY_HELP)
+    return "all" if rate == 1.0 else format(rate, "g")
+
+
 def _ranks(var: str, value: Any) -> tuple[int, ...] | None:
     valid = "all | a comma list of ranks, e.g. 0 or 0,8"
     if isinstance(value, str):
@@ -298,6 +333,7 @@ _ENV = {
     "ATTNGUARD_FP32_POLICY": "fp32_policy",
     "ATTNGUARD_KERNEL": "kernel",
     "ATTNGUARD_KERNEL_CACHE": "kernel_cache",
+    "ATTNGUARD_VERIFY": "verify",
 }
 _VAR_OF = {f: v for v, f in _ENV.items()}
 
@@ -331,6 +367,8 @@ def _parse(fld: str, value: Any, environ: Mapping[str, str] | None = None) -> An
         return _choice(var, str(value), KERNEL_CHOICES)
     if fld == "kernel_cache":
         return _kernel_cache(var, value)
+    if fld == "verify":
+        return _verify(var, value)
     raise AssertionError(fld)
 
 
@@ -410,6 +448,7 @@ DEFAULTS = {
     "fp32_policy": "cast",
     "kernel": "requested",
     "kernel_cache": "",
+    "verify": "",
 }
 _WARN = "attnguard runs in warn mode: it says what it would change and changes nothing"
 
@@ -448,6 +487,8 @@ def _instead(fld: str, raw: str) -> tuple[dict[str, Any], str]:
             return {"fallback": tuple(dict.fromkeys(names))}, f"{','.join(names)} is used"
     if fld == "kernel_cache":
         return {}, "the default directory, $XDG_CACHE_HOME/attnguard/kernels, is used"
+    if fld == "verify":
+        return {}, "the numbers check stays off"
     return {}, f"{_VAR_OF[fld]}={DEFAULTS[fld]} is used"
 
 

@@ -39,7 +39,8 @@
 #             test_examples_gpu.py in another; test_call_gpu.py in a third
 #             (SUITE_MULTIGPU_FILES names files for one process instead)
 #   bench     SUITE_BENCHES (default "bench_twins bench_kernel bench_kvcache bench_generate", the
-#             last two in short versions; bench_fallback too when named)
+#             last two in short versions; bench_fallback too when named; bench_verify, the
+#             opt-in numbers check vs off, when named: SUITE_BENCH_VERIFY_ARGS, "--seconds 150")
 #             with the real flash-attn on PYTHONPATH, GPU 0, one after the other, then
 #             bench/bench_multigpu.py (two GPUs). bench_forward.py / bench_load.py only with
 #             SUITE_BENCH_EXTRA=1 and time left (they do not involve flash-attn's kernel)
@@ -408,6 +409,9 @@ if [[ $parts == *" bench "* ]]; then
       bench_generate) # SUITE_BENCH_GENERATE_ARGS: the long run, e.g. "--seconds 480"
         lim=${SUITE_BENCH_GENERATE_S:-100}
         read -r -a args <<<"${SUITE_BENCH_GENERATE_ARGS:---rounds 6 --seconds 45}" ;;
+      bench_verify) # the numbers check at its default rate vs off: training steps, generate
+        lim=${SUITE_BENCH_VERIFY_S:-420}
+        read -r -a args <<<"${SUITE_BENCH_VERIFY_ARGS:---seconds 150}" ;;
       *) lim=${SUITE_BENCH_FALLBACK_S:-200} ;;
     esac
     bench "$b" "$(min "$lim" $(($(left) - 15 - reserve)))" \

@@ -185,7 +185,7 @@ def test_misspelled_variables_are_named_with_the_closest_setting() -> None:
         "attnguard: ATTNGUARD_COLOUR is not a setting (ignored); the settings are "
         "ATTNGUARD, ATTNGUARD_MODE, ATTNGUARD_DISABLE, ATTNGUARD_LOG, ATTNGUARD_LOG_FORMAT, "
         "ATTNGUARD_LOG_LEVEL, ATTNGUARD_CONSOLE_RANKS, ATTNGUARD_DTYPE, ATTNGUARD_FALLBACK, "
-        "ATTNGUARD_FP32_POLICY, ATTNGUARD_KERNEL, ATTNGUARD_KERNEL_CACHE",
+        "ATTNGUARD_FP32_POLICY, ATTNGUARD_KERNEL, ATTNGUARD_KERNEL_CACHE, ATTNGUARD_VERIFY",
         "attnguard: ATTNGUARD_KERNAL is not a setting (ignored); did you mean ATTNGUARD_KERNEL?",
         "attnguard: ATTNGUARD_MOOD is not a setting (ignored); did you mean ATTNGUARD_MODE?",
     ]

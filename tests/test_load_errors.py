@@ -120,7 +120,7 @@ def test_a_missing_dependency_of_the_callers_own_arguments_is_theirs() -> None:
 def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
     tiny_checkpoint: Any, guard: Any, captured: list[dict[str, Any]], monkeypatch: Any
 ) -> None:
-    """flash_attention_3 (attnguard keeps its flash path on the twins here) with a
+    """flash_attention_2 (attnguard keeps its flash path on the twins here) with a
     device string of the caller's that transformers rejects. The error is about their
     device_map, which attnguard did not change: it propagates at once, the model is built once,
     no internal_error, and nothing the caller passed shows up in an event."""
@@ -138,7 +138,7 @@ def test_the_callers_invalid_device_map_is_theirs_once_and_never_in_an_event(
     with pytest.raises(Exception) as err:
         transformers.AutoModelForCausalLM.from_pretrained(
             path,
-            attn_implementation="flash_attention_3",
+            attn_implementation="flash_attention_2",
             device_map={"": secret},
         )
     assert secret in str(err.value)  # transformers' own words about the caller's device string

@@ -115,12 +115,12 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
         (FLASH, TW, None, "cuda:0"),
     ),
     (
-        "A100, flash_attention_4 below its sm90 floor: FA2's path on the twins",
+        "A100, flash_attention_4 below its sm90 floor: its own path, on flash-attn 4's twins",
         machine("A100", flash=None, installed_extra={"flash_attention_4": "4.0.0b1"}),
         req(attn_implementation="flash_attention_4", dtype="bfloat16"),
         S,
         [twins("capability_too_low"), PLACE],
-        (FLASH, TW, None, "cuda:0"),
+        ("flash_attention_4", TW, None, "cuda:0"),
     ),
     (
         "paged| prefix keeps its path",

@@ -108,13 +108,13 @@ def test_the_probe_is_silent_and_leaves_the_program_alone() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import attnguard
-    from attnguard.integrations.transformers import flash_path
+    from attnguard.integrations.transformers import flash_path, flash_state
     from attnguard.integrations.transformers import probe as transformers_probe
     from attnguard.observability import events
 
     attnguard.activate(log="none")
     try:
-        module, wiring = flash_path._state.module, flash_path.wiring()
+        module, wiring = flash_state.state.module, flash_path.wiring()
         assert module is not None and wiring is not None, flash_path.unrecognised()
         before = torch.get_rng_state()
         with events.capture() as seen:

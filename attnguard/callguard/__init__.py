@@ -19,8 +19,10 @@ entry point (:func:`_remedy_call`), where the remedies live, in this order:
   announcing anything: a call the twin refuses is the caller's own, which runs as made.
 
 Which kernel computes a call, and why, is decided in :mod:`attnguard.kernels`; this module only
-applies it. Modes: fix applies remedies; warn emits the same events with ``applied=False`` and
-changes nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
+applies it. With the opt-in numbers check on (``ATTNGUARD_VERIFY``), the closure hands the call
+to :mod:`attnguard.verify`, which runs it as above and checks a sample against its reference.
+Modes: fix applies remedies; warn emits the same events with ``applied=False`` and changes
+nothing; strict raises :class:`AttnGuardError` instead of applying a remedy. Inside a
 torch.compile trace nothing is emitted or latched (side effects break ``fullgraph=True``), but the
 fixes still land in the graph because they are plain tensor ops decided from static facts.
 """
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .. import verify as _verify
 from ..config import Settings
 from ..failopen import fail_open as _fail_open
 from ..failopen import make_picklable
@@ -73,9 +76,12 @@ def guard(
     name = entry.name
     lat = latched
     ask = _ASK
+    checked, inside, compiling = _verify.call, _verify.INSIDE, torch.compiler.is_compiling
 
     def attnguard_attention(*args: Any, **kwargs: Any) -> Any:
         settings = in_force.settings
+        if settings.verify and not compiling() and not inside.on and inside.skip is not entry:
+            return checked(entry, attnguard_attention, args, kwargs)  # opt-in: attnguard.verify
         if settings.enabled:
             faster: Any = ask  # a tuple: not served by its signature (ask: not asked yet)
             made = None

@@ -17,6 +17,7 @@ from ..errors import AttnGuardError
 from ..observability import events
 
 if TYPE_CHECKING:
+    from ..kernel_identity import Family
     from ..kernels import Verdict
 
 Tensor = torch.Tensor
@@ -178,10 +179,12 @@ class Entry:
     ``site`` is per call rather than fixed), ``uncomputed(entry, site, args, kwargs)`` (the
     error a call that passes something the twin does not compute meets without attnguard, or
     None), ``left_alone(entry, args)`` (said when the kernel's own error is not one the guard
-    recovers from) and ``same_call_twin`` (the twin is the library's own call less the kernel's
+    recovers from), ``same_call_twin`` (the twin is the library's own call less the kernel's
     restriction, as SDPA free to choose its kernel for a backend forced to one: an error it
     raises is the call's own, its inputs refused under every kernel, so the kernel's own error
-    stands and no change is announced).
+    stands and no change is announced), ``family`` (what the kernel behind it is) and
+    ``convention`` (how it is called, where its kind does not say: ``"diffusers"``), which the
+    numbers check (:mod:`attnguard.verify`) reads.
     """
 
     # No ``__slots__`` here, nor on GuardedCall and InForce: these objects are read on the traced
@@ -207,6 +210,8 @@ class Entry:
         uncomputed: Callable[..., BaseException | None] | None = None,
         left_alone: Callable[[Entry, tuple[Any, ...]], None] | None = None,
         same_call_twin: bool = False,
+        family: Family | None = None,
+        convention: str = "",
     ) -> None:
         self.name = name
         self.kind = kind
@@ -222,6 +227,10 @@ class Entry:
         self.uncomputed = uncomputed
         self.left_alone = left_alone
         self.same_call_twin = same_call_twin
+        # what the kernel behind it is, and how it is called: the numbers check's reference
+        # (attnguard.verify; "" convention: the one its kind implies)
+        self.family = family
+        self.convention = convention
         try:
             sig = inspect.signature(original)
         except (TypeError, ValueError):

@@ -11,6 +11,9 @@ The package, split by what its parts stand for:
 * :mod:`.dense`: ``flash_attn_func`` and its qkv/kv-packed variants;
 * :mod:`.varlen`: ``flash_attn_varlen_func`` and its qkv/kv-packed variants (packed rows);
 * :mod:`.kvcache`: ``flash_attn_with_kvcache``;
+* :mod:`.fa3`, :mod:`.fa4`: flash-attn 3's (and vLLM's build of them) and flash-attn 4's
+  functions, each under its own family's rules; :mod:`.families`: which twins stand for which
+  flash-attn family (the conventions below are flash-attn 2's);
 * :mod:`.padding`: ``flash_attn.bert_padding``'s ``index_first_axis``, ``unpad_input``,
   ``pad_input``;
 * :mod:`.xformers`: ``xformers.ops.memory_efficient_attention``;

@@ -10,10 +10,14 @@ sink's softmax over keys and sink gives
 
 so every twin computes sinks from the kernel it already runs, provided the ``lse`` carries its
 gradient when one is needed (:func:`needs_grad`: then the twins take a kernel whose ``lse`` is
-differentiable). A row that sees no key gives zeros, as without a sink.
+differentiable). A row that sees no key gives zeros, as without a sink, and the sink's own lse
+(the sink alone is in its softmax), as the kernels with sinks give it (vLLM's flash-attn 3,
+hopper/softmax.h ``finalize_aux``; flash-attn 4, flash_attn/cute/softmax.py ``finalize``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -43,7 +47,9 @@ def apply(out: Tensor, lse: Tensor, sinks: Tensor, *, packed: bool) -> tuple[Ten
     (B, H, S); ``packed`` ``out`` (T, H, Dv) with ``lse`` (H, T). ``sinks``: H values, any
     shape (:func:`check`)."""
     cdt = torch.float64 if out.dtype == torch.float64 else torch.float32
-    lse = lse.to(cdt)
+    # a row with no visible key (+inf by flash-attn 2's convention) has an empty sum: -inf here,
+    # so that its gate is 0 and its lse the sink's (and no inf - inf in a gradient)
+    lse = lse.to(cdt).masked_fill(torch.isposinf(lse), -math.inf)
     s = sinks.reshape(-1).to(device=lse.device, dtype=cdt)
     s = s[:, None] if packed else s[None, :, None]
     gate = torch.sigmoid(lse - s)  # (H, T) or (B, H, S)

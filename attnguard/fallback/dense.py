@@ -11,7 +11,14 @@ import math
 import torch
 
 from . import attention_sinks, routes, torch_flash
-from .masks import alibi_bias, band_mask, check_alibi, normalize_window, padded_band
+from .masks import (
+    alibi_bias,
+    band_mask,
+    check_alibi,
+    kernel_band,
+    normalize_window,
+    padded_band,
+)
 from .sdpa import BiasRows, masked_attention, sdpa
 
 Tensor = torch.Tensor
@@ -47,7 +54,9 @@ def flash_core(
     sinks_lse: bool = False,
     flash_allowed: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window.
+    """flash-attn forward on (B, Sq, H, D) / (B, Sk, Hk, D) with an already normalised window:
+    the band (left, right) around the bottom-right diagonal, -1 an open side (each family's
+    rule makes it: :func:`.masks.normalize_window`, :func:`.masks.fa3_window`, ...).
 
     ``lens`` = (len_q, len_k), int64 (B,) tensors, marks a padded batch: sequence ``b`` holds
     only its first len_q[b] queries and len_k[b] keys, its mask is aligned to its own lengths
@@ -102,7 +111,8 @@ def flash_core(
             flash_ok=flash_allowed
             and torch_flash.can_run(
                 q, k, v, window=torch_flash.windowed(window), deterministic=deterministic
-            ),
+            )
+            and kernel_band(window, sq, sk),
             window=window,
             sq=sq,
             sk=sk,

@@ -6,11 +6,14 @@ Which torch kernel computes a call is decided in :mod:`attnguard.fallback.routes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from . import attention_sinks, routes, torch_flash, triton_decode
 from .dense import check_dtypes, flash_core
-from .masks import check_alibi, normalize_window
+from .masks import WindowRule, check_alibi, fa2_rule, kernel_band
 from .sdpa import compiling
 
 Tensor = torch.Tensor
@@ -180,6 +183,61 @@ def flash_attn_with_kvcache(
     ``torch.compile(fullgraph=True)``; an int ``cache_seqlens`` is a constant of the graph.
     ``s_aux``: attention sinks, one logit per query head (:mod:`.attention_sinks`).
     """
+    out, lse = kvcache_attention(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale=softmax_scale,
+        rule=fa2_rule,
+        window_size=window_size,
+        causal=causal,
+        softcap=softcap,
+        rotary_interleaved=rotary_interleaved,
+        alibi_slopes=alibi_slopes,
+        need_lse=return_softmax_lse,
+        s_aux=s_aux,
+    )
+    if return_softmax_lse:
+        assert lse is not None
+        return out, lse
+    return out
+
+
+def kvcache_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    rotary_cos: Tensor | None,
+    rotary_sin: Tensor | None,
+    cache_seqlens: int | Tensor | None,
+    cache_batch_idx: Tensor | None,
+    cache_leftpad: Tensor | None,
+    block_table: Tensor | None,
+    *,
+    softmax_scale: float | None,
+    rule: WindowRule,
+    window_size: Sequence[Any],
+    causal: bool,
+    softcap: float,
+    rotary_interleaved: bool,
+    alibi_slopes: Tensor | None,
+    need_lse: bool,
+    s_aux: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`flash_attn_with_kvcache`'s computation with the window ``rule`` of the family
+    whose twin calls it (applied to (seqlen_q, the cache capacity), as the kernels do).
+    Returns (out, lse (B, H, Sq) float32 with +inf for rows that see no key, or None)."""
+
     capacity = _check_kvcache_args(
         q,
         k_cache,
@@ -196,7 +254,7 @@ def flash_attn_with_kvcache(
     b, sq, h, d = q.shape
     check_alibi(alibi_slopes, b, h)
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
-    window = normalize_window(window_size, causal, capacity)
+    window = rule(window_size, causal, sq, capacity)
     # The kernel rotates q per position exactly when it runs causal or local (window set).
     q_per_position = window[0] >= 0 or window[1] >= 0
     attention_sinks.check(s_aux, h)
@@ -223,14 +281,14 @@ def flash_attn_with_kvcache(
             cache_seqlens,
             scale=scale,
             window_left=window[0],
-            need_lse=return_softmax_lse or s_aux is not None,
+            need_lse=need_lse or s_aux is not None,
         )
         if done is not None:
             out, lse = done
             if s_aux is not None:
                 assert lse is not None
                 out, lse = attention_sinks.apply(out, lse, s_aux, packed=False)
-            return (out, lse) if return_softmax_lse else out
+            return out, (lse if need_lse else None)
         # not a call it takes, or not usable here (triton_decode.disabled()): torch's kernels
     new_kv_fits = k is None or (
         k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and k.device == k_cache.device
@@ -240,7 +298,8 @@ def flash_attn_with_kvcache(
         and not attention_sinks.needs_grad(s_aux, q, k_cache, v_cache, k, v)
         and torch_flash.can_run(
             q, k_cache, v_cache, window=torch_flash.windowed(window), seqused=True
-        ),
+        )
+        and kernel_band(window, sq, capacity),
         contiguous=k_cache.is_contiguous() and v_cache.is_contiguous(),
         paged=block_table is not None,
         batch_idx=cache_batch_idx is not None,
@@ -262,15 +321,12 @@ def flash_attn_with_kvcache(
             window=window,
             rotary_interleaved=rotary_interleaved,
             q_per_position=q_per_position,
-            need_lse=return_softmax_lse or s_aux is not None,
+            need_lse=need_lse or s_aux is not None,
         )
         if s_aux is not None:
             assert lse is not None
             out, lse = attention_sinks.apply(out, lse, s_aux, packed=False)
-        if return_softmax_lse:
-            assert lse is not None
-            return out, lse
-        return out
+        return out, (lse if need_lse else None)
 
     dev, cdev = q.device, k_cache.device
     if cache_seqlens is None:
@@ -347,14 +403,11 @@ def flash_attn_with_kvcache(
         window=window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
-        need_lse=return_softmax_lse,
+        need_lse=need_lse,
         lens=(len_q, len_k),
         sinks=s_aux,
     )
-    if return_softmax_lse:
-        assert lse is not None
-        return out, lse
-    return out
+    return out, lse
 
 
 _POSITIONS: dict[tuple[torch.device, int, int, int], Tensor] = {}

@@ -7,7 +7,8 @@ so the masks are static under ``torch.compile``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,6 +27,88 @@ def normalize_window(window_size: Sequence[int], causal: bool, seqlen_k: int) ->
     if left >= 0 and right < 0:
         right = seqlen_k
     return left, right
+
+
+# A family's window rule: (window_size, causal, seqlen_q, seqlen_k) -> the band (left, right)
+# around the bottom-right diagonal, -1 an open side (what :func:`band_mask` and the twins take).
+WindowRule = Callable[[Sequence[Any], bool, int, int], tuple[int, int]]
+
+
+def fa2_rule(
+    window_size: Sequence[Any], causal: bool, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int]:
+    """flash-attn 2's rule (:func:`normalize_window`; seqlen_q plays no part)."""
+    return normalize_window(window_size, causal, seqlen_k)
+
+
+def band_rule(
+    window_size: Sequence[Any], causal: bool, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int]:
+    """A window already resolved into a band (flash-attn 4's: :func:`fa4_window`), as given."""
+    return int(window_size[0]), int(window_size[1])
+
+
+def fa3_window(
+    window_size: Sequence[int], causal: bool, seqlen_q: int, seqlen_k: int
+) -> tuple[int, int]:
+    """Window (left, right) as flash-attn 3 normalises it (hopper/flash_api.cpp, ``mha_fwd``
+    then ``set_params_fprop``; the vLLM build's hopper/flash_api.cpp alike): a side at or past
+    the last key (left >= seqlen_k - 1) or query (right >= seqlen_q - 1) reaches nothing more
+    and is open; causal sets right = 0; an open side stays open (``set_params_fprop`` gives it
+    seqlen_k - 1 / seqlen_q - 1, every key on that side). Varlen calls pass max_seqlen_q/k.
+    flash-attn 2 (:func:`normalize_window`) instead closes an open side at seqlen_k."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    if causal:
+        right = 0
+    return max(left, -1), max(right, -1)
+
+
+def fa4_window(window_size: Sequence[int | None], causal: bool) -> tuple[int, int] | None:
+    """Window (left, right) as flash-attn 4 resolves it (flash_attn/cute/interface.py,
+    ``_resolve_causal_local_window``): ``None`` is an open side; causal sets right = 0; two
+    ints summing below 0 mean no window (so (-1, -1), and (-1, 0) without causal, are full
+    attention; with causal, causal attention); other ints bound the band as given, also below
+    0 (its mask, flash_attn/cute/mask.py, reads them literally). Returns the band with -1 for
+    an open side, or None where a side is a negative int (a band that excludes the diagonal:
+    not computed by the twins)."""
+    left, right = window_size[0], window_size[1]
+    if causal:
+        right = 0
+    if left is not None and right is not None and int(left) + int(right) < 0:
+        left = right = None  # no window; a causal call stays causal (its flag is kept)
+        right = 0 if causal else None
+    bounds = tuple(-1 if w is None else int(w) for w in (left, right))
+    if any(w < 0 for w, given in zip(bounds, (left, right), strict=True) if given is not None):
+        return None
+    return bounds[0], bounds[1]
+
+
+def kernel_band(window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether torch's flash kernel, given ``window`` (a band: -1 an open side), computes that
+    band for (seqlen_q, seqlen_k): it normalises a window as flash-attn 2 does (aten's copy of
+    flash_api.cpp, ``mha_fwd`` / ``set_params_fprop``: a side >= seqlen_k opens, an open side
+    beside a closed one closes at seqlen_k). A window normalised by :func:`normalize_window`
+    always passes; flash-attn 3's open side beside a closed one passes only where seqlen_k
+    reaches every query (seqlen_q <= seqlen_k + 1). Varlen calls pass the max seqlens."""
+    left, right = window
+    kl = -1 if left >= seqlen_k else left
+    kr = -1 if right >= seqlen_k else right
+    if kl < 0 <= kr:
+        kl = seqlen_k
+    if kl >= 0 > kr:
+        kr = seqlen_k
+    return _band(kl, kr, seqlen_q, seqlen_k) == _band(left, right, seqlen_q, seqlen_k)
+
+
+def _band(left: int, right: int, sq: int, sk: int) -> tuple[int, int]:
+    """A band in one spelling: a side that bounds no row (left >= sk - 1: the last query's lower
+    bound is key 0 or before; right >= sq - 1: the first query's upper bound is the last key or
+    after) is -1, open."""
+    return (left if 0 <= left < sk - 1 else -1, right if 0 <= right < sq - 1 else -1)
 
 
 def band_mask(

@@ -14,7 +14,7 @@ import torch
 
 from . import attention_sinks, routes, torch_flash
 from .dense import FlashResult, check_dtypes, flash_core
-from .masks import check_alibi, normalize_window
+from .masks import WindowRule, check_alibi, fa2_rule, kernel_band
 from .sdpa import compiling
 
 Tensor = torch.Tensor
@@ -113,6 +113,7 @@ def _varlen_padded(
     block_table: Tensor | None,
     window_size: tuple[int, int],
     causal: bool,
+    rule: WindowRule,
     **core: Any,
 ) -> tuple[Tensor, Tensor | None]:
     """Varlen attention that never reads ``cu_seqlens`` on the host, for torch.compile.
@@ -150,7 +151,7 @@ def _varlen_padded(
         seqlen_k = _seqlen_bound(max_k, kp.shape[1])
         mk = min(seqlen_k, kp.shape[1])
         kp, vp = kp[:, :mk], vp[:, :mk]
-    window = normalize_window(window_size, causal, seqlen_k)
+    window = rule(window_size, causal, _seqlen_bound(max_q, total_q), seqlen_k)
     out_p, lse_p = flash_core(qp, kp, vp, window=window, lens=(len_q, len_k), **core)
     # Packed token t belongs to the last sequence starting at or before it; tokens before the
     # first or after the last sequence (or past max_seqlen_q) give zeros, lse +inf.
@@ -193,6 +194,58 @@ def flash_attn_varlen_func(
     (see ``_varlen_padded``). :mod:`attnguard.fallback.routes` says which, and why. ``s_aux``:
     attention sinks, one logit per query head (:mod:`.attention_sinks`).
     """
+    out, lse = varlen_attention(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        rule=fa2_rule,
+        window_size=window_size,
+        causal=causal,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        need_lse=return_attn_probs,
+        block_table=block_table,
+        s_aux=s_aux,
+    )
+    if return_attn_probs:
+        assert lse is not None
+        return out, lse, None
+    return out
+
+
+def varlen_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int | Tensor,
+    max_seqlen_k: int | Tensor,
+    *,
+    rule: WindowRule,
+    window_size: Sequence[int],
+    causal: bool,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    need_lse: bool = False,
+    block_table: Tensor | None = None,
+    s_aux: Tensor | None = None,
+    lse_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Packed-row attention with the window ``rule`` of the family whose twin calls it (applied
+    to (max_seqlen_q, max_seqlen_k), as the kernels do). Returns (out (total_q, H, Dv), lse
+    (H, total_q) float32 with +inf for rows that see no key, or None). ``lse_grad``: the lse
+    carries its gradient (then torch's flash kernel, whose lse has none, is not used)."""
     if q.dim() != 3:
         raise ValueError("flash_attn_varlen_func expects q of shape (total_q, nheads, headdim)")
     check_dtypes(q, k, v)
@@ -209,30 +262,35 @@ def flash_attn_varlen_func(
         "dropout_p": dropout_p,
         "softmax_scale": scale,
         "softcap": softcap,
-        "need_lse": return_attn_probs,
+        "need_lse": need_lse,
         "deterministic": deterministic,
         "sinks": s_aux,
     }
+    if lse_grad:
+        core.update(sinks_lse=True, flash_allowed=False)
     attention_sinks.check(s_aux, q.shape[1])
 
     in_graph = compiling()
+    max_q = _seqlen_bound(max_seqlen_q, q.shape[0])
+    max_k = _seqlen_bound(max_seqlen_k, k.shape[0])
+    window = rule(window_size, causal, max_q, max_k)
     route = routes.varlen(
-        flash_ok=not attention_sinks.needs_grad(s_aux, q, k, v)
+        flash_ok=not lse_grad
+        and not attention_sinks.needs_grad(s_aux, q, k, v)
         and torch_flash.can_run(
             q,
             k,
             v,
-            window=torch_flash.windowed(tuple(window_size)),
+            window=torch_flash.windowed(window),
             deterministic=deterministic,
-        ),
+        )
+        and kernel_band(window, max_q, max_k),
         softcap=softcap,
         alibi=alibi_slopes is not None,
         paged=block_table is not None,
         compiling=in_graph,
     )
     if route == "varlen-flash":
-        max_q = _seqlen_bound(max_seqlen_q, q.shape[0])
-        max_k = _seqlen_bound(max_seqlen_k, k.shape[0])
         out, lse = torch_flash.attention(
             q,
             k,
@@ -243,13 +301,14 @@ def flash_attn_varlen_func(
             max_k,
             dropout_p=dropout_p,
             scale=scale,
-            window=normalize_window(window_size, causal, max_k),
+            window=window,
             deterministic=deterministic,
         )
         if s_aux is not None:
             out, lse = attention_sinks.apply(out, lse, s_aux, packed=True)
-    elif route == "varlen-compile":
-        out, lse = _varlen_padded(
+        return out, (lse if need_lse else None)
+    if route == "varlen-compile":
+        return _varlen_padded(
             q,
             k,
             v,
@@ -258,27 +317,15 @@ def flash_attn_varlen_func(
             max_seqlen_q,
             max_seqlen_k,
             block_table,
-            window_size,
+            tuple(window_size),
             causal,
+            rule,
             alibi_slopes=alibi_slopes,
             **core,
         )
-    else:
-        out, lse = _varlen_segments(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            block_table,
-            normalize_window(window_size, causal, int(max_seqlen_k)),
-            alibi_slopes,
-            core,
-        )
-    if return_attn_probs:
-        assert lse is not None
-        return out, lse, None
-    return out
+    return _varlen_segments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, window, alibi_slopes, core
+    )
 
 
 def _varlen_segments(

@@ -78,12 +78,13 @@ EVENTS: dict[str, str] = {
     # emitted at warning when another kernel serves it, info when the requested one stays
     "kernel_selected": "info",
     "internal_error": "error",  # attnguard itself failed; the original call ran instead
+    "numerics_mismatch": "error",  # opt-in ATTNGUARD_VERIFY: a kernel's numbers differ
     "summary": "info",  # warning when it reports applied changes
 }
 # Events that are never de-duplicated (one per process by construction).
 _UNIQUE = frozenset({"activated", "summary"})
 # Events that report a finding, never a change.
-OBSERVATIONS = frozenset({"observed", "plan_mismatch"})
+OBSERVATIONS = frozenset({"observed", "plan_mismatch", "numerics_mismatch"})
 
 # What each occurrence counts as, in the summary.
 KINDS = ("applied", "would_have", "observed", "internal_errors")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import safefiles
-from . import events, jobdir, jobstore, workload
+from . import events, jobdir, jobstore, numerics, workload
 from .eventfiles import Key, Malformed, clean_keys, is_process_id, parse_line
 
 _POLL_S = 0.05
@@ -30,6 +30,7 @@ class RankRecord:
     proc: str
     keys: list[Key] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)  # what its advice depends on (checked)
+    numerics: dict[str, Any] = field(default_factory=dict)  # the numbers check's counts
 
 
 @dataclass
@@ -53,11 +54,14 @@ def record_of(
     proc: str,
     keys: list[dict[str, Any]],
     facts: dict[str, Any] | None = None,
+    counts: dict[str, Any] | None = None,
 ) -> bytes:
-    """A rank's record as it travels to rank 0 (``keys`` and ``facts`` as :func:`local_fields`
-    has them)."""
+    """A rank's record as it travels to rank 0 (``keys``, ``facts`` and the numbers check's
+    ``counts`` as :func:`local_fields` has them)."""
     record = {"v": RECORD_VERSION, "rank": rank, "proc": proc, "phase": phase, "keys": keys}
     record["facts"] = facts or {}
+    if counts:
+        record["numerics"] = counts
     return json.dumps(record, default=str).encode()
 
 
@@ -75,7 +79,8 @@ def parse_record(data: bytes, rank: int) -> tuple[RankRecord, str]:
     if phase not in ("exit", "group_end"):
         raise Malformed("no phase")
     keys = [k for k, per_rank in clean_keys(raw.get("keys")) if per_rank is None]
-    return RankRecord(proc, keys, workload.clean(raw.get("facts"))), phase
+    counts = numerics.clean(raw.get("numerics"))
+    return RankRecord(proc, keys, workload.clean(raw.get("facts")), counts), phase
 
 
 class Channels:

@@ -471,6 +471,25 @@ _TABLE: tuple[Reason, ...] = (
         "requested kernel stays",
         "nothing to change: the requested kernel computes these calls",
     ),
+    # --- opt-in numbers check (ATTNGUARD_VERIFY; attnguard.verify) ----------------------------
+    Reason(
+        "kernel_numbers_differ",
+        ("numerics_mismatch",),
+        "a sampled attention call's output, computed by the requested kernel, differs from its "
+        "family's reference beyond the tolerance of its dtype and shapes (its output was "
+        "returned unchanged)",
+        "this kernel gives wrong numbers here (a build for another GPU, a bug for these shapes): "
+        "reinstall or upgrade it, or request another implementation, and report it to its "
+        "authors with the event's shapes and arguments",
+    ),
+    Reason(
+        "twin_numbers_differ",
+        ("numerics_mismatch",),
+        "a sampled attention call's output, computed by attnguard's SDPA twin, differs from the "
+        "explicit float64 reference of the family's rules beyond the tolerance (its output was "
+        "returned unchanged)",
+        "report it: attnguard's twin computed other numbers than the kernel it stands for",
+    ),
     Reason(
         "kernel_cache_ignored",
         ("observed",),

@@ -52,7 +52,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import events, jobdir, jobstore, workload
+from . import events, jobdir, jobstore, numerics, workload
 from .advice import Facts
 from .eventfiles import clean_keys
 from .events import KINDS
@@ -84,6 +84,9 @@ def local_fields() -> dict[str, Any]:
     ``facts``: what the advice depends on (:mod:`attnguard.observability.workload`)."""
     fields = events.summary_fields()
     fields["facts"] = workload.snapshot()
+    counts = numerics.snapshot()
+    if counts:
+        fields["numerics"] = counts  # the opt-in numbers check (ATTNGUARD_VERIFY)
     kinds = events.kind_counts()
     fields["keys"] = [
         {"event": e, "site": s, "reason_code": r, "count": n, **kinds_of(kinds.get((e, s, r)))}
@@ -155,6 +158,9 @@ def aggregate(per_rank: Mapping[int, RankRecord]) -> dict[str, Any]:
             out[kind] += totals[kind]
     out["sites"] = {event: list(names) for event, names in sites.items()}
     out["keys"] = list(keys.values())
+    counts = numerics.merge((r, per_rank[r].numerics) for r in sorted(per_rank))
+    if counts:
+        out["numerics"] = counts  # checked / mismatched / skipped, in total and per rank
     return out
 
 
@@ -166,7 +172,7 @@ def _emit_local(note: str | None = None, console: bool = True) -> None:
     if events.is_helper() and not (fields["applied"] or fields["would_have"]):
         return  # a helper that changed nothing stays silent
     rows = advice(fields["keys"], Facts.of(fields["facts"]))
-    head = headline(fields, "in this process")
+    head = _with_numerics(headline(fields, "in this process"), fields)
     if note:
         head += f" ({note})"
     events.emit(
@@ -174,7 +180,7 @@ def _emit_local(note: str | None = None, console: bool = True) -> None:
         site="process",
         reason_code="exit",
         reason=story(head, rows),
-        level=level(fields),
+        level=_level(fields),
         console=console,
         advice=rows,
         **fields,
@@ -219,12 +225,13 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
     if got.ignored:
         head += f"; {len(got.ignored)} rank record(s) ignored: {'; '.join(got.ignored[:3])}"
     rows = advice(fields["keys"], Facts.of(fields["facts"]))
+    head = _with_numerics(head, fields)
     events.emit(
         "summary",
         site="job",
         reason_code="exit_all_ranks",
         reason=story(head, rows),
-        level=level(fields),
+        level=_level(fields),
         missing_ranks=missing,
         silent_ranks=silent,
         waited_for=sorted(got.waited_for),
@@ -236,6 +243,17 @@ def _emit_job(got: Gathered, world_size: int, timeout_s: float) -> None:
         advice=rows,
         **fields,
     )
+
+
+def _with_numerics(head: str, fields: dict[str, Any]) -> str:
+    said = numerics.headline(fields.get("numerics") or {})
+    return f"{head}; {said}" if said else head
+
+
+def _level(fields: dict[str, Any]) -> str:
+    """A warning when it reports applied changes or numbers that did not match, else info."""
+    mismatched = (fields.get("numerics") or {}).get("mismatched")
+    return "warning" if mismatched else level(fields)
 
 
 _announced = {"files": False, "store": False}
@@ -344,7 +362,9 @@ def _record(rank: int, phase: str = "exit") -> bytes:
     """This rank's record: its process id and keys, posted at ``phase`` ("exit", or "group_end"
     when it destroys its process group)."""
     fields = local_fields()
-    return record_of(rank, phase, events.process_id(), fields["keys"], fields["facts"])
+    return record_of(
+        rank, phase, events.process_id(), fields["keys"], fields["facts"], fields.get("numerics")
+    )
 
 
 def emit_exit_summary(timeout_s: float | None = None) -> None:
@@ -396,7 +416,10 @@ def emit_exit_summary(timeout_s: float | None = None) -> None:
     try:
         mine = local_fields()
         own = RankRecord(
-            events.process_id(), [k for k, _ in clean_keys(mine["keys"])], mine["facts"]
+            events.process_id(),
+            [k for k, _ in clean_keys(mine["keys"])],
+            mine["facts"],
+            mine.get("numerics") or {},
         )
         got = gather(world, own, channels, timeout)
     finally:
@@ -417,4 +440,5 @@ def _unchanged_since_group_end(record: bytes) -> bool:
 
 
 def _counts_of(raw: bytes) -> Any:
-    return json.loads(raw).get("keys")
+    record = json.loads(raw)
+    return record.get("keys"), record.get("numerics")

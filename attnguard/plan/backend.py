@@ -23,17 +23,25 @@ def _supported(request: LoadRequest, backend: str) -> bool:
 
 
 def fallback_choice(
-    request: LoadRequest, facts: Facts, settings: Settings, *, flash_path: bool
+    request: LoadRequest,
+    facts: Facts,
+    settings: Settings,
+    *,
+    flash_path: bool,
+    want: str = "flash_attention_2",
 ) -> tuple[str, str | None] | None:
-    """(attn_implementation to load with, kernels) for a flash request that cannot keep its
-    kernel: the first backend of ATTNGUARD_FALLBACK usable here and supported by the model class.
+    """(attn_implementation to load with, kernels) for a flash request (``want``) that cannot
+    keep its kernel: the first backend of ATTNGUARD_FALLBACK usable here and supported by the
+    model class.
 
     "sdpa" means the SDPA twins under transformers' flash code path where ``flash_path`` allows
-    it (flash semantics kept), else transformers' own sdpa path. None: nothing fits.
+    it (flash semantics kept: the request stays, its flash path handed the twins of its own
+    family, flash-attn 3's rules for ``flash_attention_3``), else transformers' own sdpa path.
+    None: nothing fits.
     """
     for name in settings.fallback:
         if name == "sdpa" and flash_path and request.flash_path_on_twins:
-            return "flash_attention_2", SDPA_TWINS
+            return str(want), SDPA_TWINS
         if name != "eager" and not facts.backend(name).usable:
             continue
         if _supported(request, name):
@@ -96,7 +104,9 @@ def plan_backend_into(request: LoadRequest, facts: Facts, settings: Settings, dr
                 continue
         else:
             continue
-        choice = fallback_choice(request, facts, settings, flash_path=request.supports_flash)
+        choice = fallback_choice(
+            request, facts, settings, flash_path=request.supports_flash, want=want
+        )
         if not settings.allows(FALLBACK):
             draft.actions.append(disabled(FALLBACK, code, problem, target))
             continue
@@ -124,10 +134,6 @@ def plan_backend_into(request: LoadRequest, facts: Facts, settings: Settings, dr
                 )
                 fields["transformers_chooses"] = request.flash_routed_to
             draft.kernels = SDPA_TWINS
-            if (
-                canonical_backend(want) != attn
-            ):  # flash_attention_3/4: the same path, FA2's functions
-                draft.new_attn[target] = attn
         else:
             rule = "flash-unsupported" if code == "model_unsupported" else "flash-unusable"
             change = f"load with {attn}"

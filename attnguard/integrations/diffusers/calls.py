@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ... import callguard, kernel_identity, runtime
+from ...kernel_identity import Family
 from ...kernels import EntryKind
 from ...observability import events
 from . import shape
@@ -84,6 +85,8 @@ def wrap(
         # the twins are SDPA's own call without the kernel restriction: SDPA refusing a call
         # under every kernel is the call's own error, not attnguard's
         same_call_twin=twin is not None,
+        family=shape.TWINNED[name].family if name in shape.TWINNED else Family.SDPA,
+        convention="diffusers",
     )
     guarded = callguard.guard(entry, _check(where))
     if name in shape.TWINNED and module is not None and _unusable(module, name):

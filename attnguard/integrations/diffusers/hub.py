@@ -37,6 +37,7 @@ from ...computing import NOW, subject
 from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
+from ...fallback import families
 from ...observability import events
 from ..ledger import Ledger
 from . import shape
@@ -162,25 +163,24 @@ def _twin(module: ModuleType, name: str, config: Any) -> tuple[Callable[..., Any
     computes)."""
     from .twins import hub_kernel_twin
 
-    identity = kernel_identity.of_request(config.repo_id)
-    major = identity.major if identity is not None else None
-    if major is None:
+    family = families.hub_family(config.repo_id)
+    if family is None:
         return None, ""
     fn = shape.registry(module)._backends.get(shape.backends(module).get(name))
     if not shape.reads_names(fn, shape.HUB_KERNEL_READS):
         return None, "its *_hub backend function does not call the hub kernel's kernel_fn"
     if config.kernel_fn is not None and not getattr(config.kernel_fn, "__attnguard_twin__", False):
         return None, "the hub kernel loaded, and diffusers refused what it found in it"
-    twin = hub_kernel_twin(major, config.function_attr)
+    twin = hub_kernel_twin(family, config.function_attr)
     if twin is None:
-        return None, f"it calls flash-attn {major}'s {config.function_attr}, which has no twin"
+        return None, f"it calls {family}'s {config.function_attr}, which has no twin"
     return twin, ""
 
 
 def _serve(name: str, config: Any, twin: Callable[..., Any], err: BaseException) -> None:
     """Put the twin where the backend function calls the kernel; the context-parallel
     functions diffusers would have resolved from the kernel raise ``err``."""
-    from ...fallback.fa3_fa4 import Uncomputed
+    from ...fallback.refusal import Uncomputed
 
     repo = config.repo_id
 

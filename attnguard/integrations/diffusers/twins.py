@@ -7,7 +7,8 @@
   ``memory_efficient_attention`` is attnguard's xformers twin, ``LowerTriangularMask`` the causal
   bias it builds for ``is_causal`` (top-left aligned, as xformers' own);
 * :func:`hub_kernel_twin`: for a ``*_hub`` backend whose hub kernel cannot load, the twin of the
-  flash-attn 2, 3 or 4 function it calls (:mod:`attnguard.fallback.fa3_fa4` for 3 and 4);
+  flash-attn 2, 3 or 4 function it calls, under that family's rules
+  (:mod:`attnguard.fallback.families`);
 * :func:`sdpa_unforced`: what a torch backend forced to one SDPA kernel computes, with SDPA free
   to pick any kernel that can take the call (the call the forced backend makes, less the
   ``sdpa_kernel`` context).
@@ -18,9 +19,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ...fallback.families import Family
 
 Tensor = torch.Tensor
 
@@ -60,18 +64,12 @@ def kernel_twins() -> dict[str, Any]:
     }
 
 
-def hub_kernel_twin(major: int, function: str) -> Callable[..., Any] | None:
-    """attnguard's twin of flash-attn ``major``'s ``function`` (what a ``*_hub`` backend calls
-    of a hub kernel whose functions are flash-attn's), or None: no twin of it."""
-    from ...fallback import fa3_fa4, flash_attn_func, flash_attn_varlen_func
+def hub_kernel_twin(family: Family, function: str) -> Callable[..., Any] | None:
+    """attnguard's twin of ``function`` of flash-attn ``family`` (what a ``*_hub`` backend calls
+    of a hub kernel whose functions are that family's), or None: no twin of it."""
+    from ...fallback import families
 
-    return {
-        (2, "flash_attn_func"): flash_attn_func,
-        (2, "flash_attn_varlen_func"): flash_attn_varlen_func,
-        (3, "flash_attn_func"): fa3_fa4.flash_attn_3_func,
-        (3, "flash_attn_varlen_func"): fa3_fa4.flash_attn_3_varlen_func,
-        (4, "flash_attn_func"): fa3_fa4.flash_attn_4_func,
-    }.get((major, function))
+    return families.twins_for(family).get(function)
 
 
 def sdpa_unforced(

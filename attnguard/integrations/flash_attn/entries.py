@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 from ... import callguard, kernels, runtime
+from ...kernel_identity import Family
 from ..ledger import Ledger, unrecognised_entry
 
 ledger = Ledger("flash_attn")
@@ -68,6 +69,7 @@ def _wrap(name: str, original: Any) -> Any:
         aux=aux,
         head_axis=FLASH_HEAD_AXIS[name],
         in_force=runtime.IN_FORCE,
+        family=Family.FA2,  # the release line this integration patches (>=2.6,<3)
     )
     return callguard.wrap_direct(entry)
 

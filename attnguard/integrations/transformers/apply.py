@@ -77,9 +77,11 @@ def report(plan: Plan, settings: Settings, site: str) -> AttnGuardError | None:
         if action.applies and settings.mode == "strict" and error is None:
             error = AttnGuardError(action.reason_code, action.problem, action.change)
         if action.rule == "flash-on-sdpa" and apply:
-            from . import flash_path
+            from . import flash_serving
 
-            flash_path.announced(action.before, action.reason_code, action.problem, action.change)
+            flash_serving.announced(
+                action.before, action.reason_code, action.problem, action.change
+            )
     return error
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from ... import callguard
 from ...computing import NOW
+from ...fallback import families
 from ..ledger import Ledger
 from . import wiring as transformers_wiring
 from .wiring import FUNC
@@ -35,7 +36,7 @@ MODULE = "transformers.modeling_flash_attention_utils"
 
 ledger = Ledger("transformers_arguments")
 _lock = threading.RLock()
-_computed: frozenset[str] | None = None
+_computed: dict[Any, frozenset[str]] = {}  # family -> what its twins compute
 _NONE: frozenset[str] = frozenset()  # a constant: torch 2.4 cannot trace a call of frozenset()
 
 
@@ -64,49 +65,62 @@ def _registry_parameters() -> set[str]:
     return set(transformers_wiring._named_parameters(fn)) if callable(fn) else set()
 
 
-def computed_arguments(wiring: Any = None, missed: set[str] | None = None) -> frozenset[str]:
+def computed_arguments(
+    wiring: Any = None, missed: set[str] | None = None, family: Any = None
+) -> frozenset[str]:
     """The keyword arguments of a flash registry call that transformers' flash path on the twins
-    computes (or that carry no numbers): the parameters of the path's own functions, except
-    those it hands the kernel only where the kernel declares them and the twins do not (or the
-    probe found not computed: ``missed``), and the arguments every model threads through.
-    ``wiring``: the release's (:mod:`.wiring`); without it, the last one given (read per call,
-    under torch.compile too: no lock on that path, a lock being a graph break there; the one
-    reference read is atomic)."""
-    global _computed
+    of ``family`` (flash-attn 2's where None) computes (or that carry no numbers): the
+    parameters of the path's own functions, except those it hands the kernel only where the
+    kernel declares them and the twins do not (or the probe found not computed: ``missed``),
+    and the arguments every model threads through. Dropout counts as computed for a family
+    whose kernels have none (no ``dropout_p``: transformers passes the real kernel none either;
+    ``family.dropout``). ``wiring``: the release's (:mod:`.wiring`); without it, the last one
+    computed for the family (read per call, under torch.compile too: no lock on that path, a
+    lock being a graph break there; the one dict read is atomic)."""
+    family = families.FA2 if family is None else family
     if wiring is None:
-        found = _computed
+        found = _computed.get(family)
         return found if found is not None else _NONE
     with _lock:
-        from ... import fallback
-
-        declared = transformers_wiring._named_parameters(fallback.flash_attn_varlen_func)
+        twin = families.twins_for(family)[families.VARLEN]
+        declared = transformers_wiring._named_parameters(twin)
         dropped = {
             arg
             for arg, names in wiring.conditional
-            if arg in (missed or set()) or not any(n in declared for n in names)
+            if arg in (missed or set())
+            or not (
+                any(n in declared for n in names) or (not family.dropout and "dropout_p" in names)
+            )
         }
         known = (_registry_parameters() | set(wiring.path_parameters) | _typed_kwargs()) - dropped
-        _computed = frozenset(known)
-        return _computed
+        _computed[family] = frozenset(known)
+        return _computed[family]
 
 
 def named_uncomputed(caller: type) -> frozenset[str] | None:
-    """The arguments outside :func:`computed_arguments` that ``caller`` (an attention class)
+    """The arguments outside :func:`computed_arguments` (of any family whose twins serve here:
+    each call is then checked against its own family's) that ``caller`` (an attention class)
     passes the attention function by name in its own code; None where that code is not
     readable (or names nothing: then every argument counts)."""
     from . import routing
 
     named = routing.attention_keywords(caller)
-    return frozenset(named - computed_arguments()) if named else None
+    sets = list(_computed.values()) or [computed_arguments()]
+    return frozenset(named - frozenset.intersection(*sets)) if named else None
 
 
-def uncomputed(kwargs: dict[str, Any], among: frozenset[str] | None = None) -> list[str]:
+def uncomputed(
+    kwargs: dict[str, Any],
+    among: frozenset[str] | None = None,
+    known: frozenset[str] | None = None,
+) -> list[str]:
     """The arguments of this flash registry call that the flash path on the twins would drop:
     not among :func:`computed_arguments`, with a value that can carry numbers (not None, not a
     bool flag), and (unless ``among`` is None) among ``among``: those the calling attention
     class names itself (an argument its model's forward only threads through ``**kwargs``, such
-    as a vision tower's ``grid_thw``, is dropped by every attention implementation alike)."""
-    known = computed_arguments()
+    as a vision tower's ``grid_thw``, is dropped by every attention implementation alike).
+    ``known``: the arguments computed (flash-attn 2's twins' where None)."""
+    known = computed_arguments() if known is None else known
     return sorted(
         k
         for k, v in kwargs.items()
@@ -214,11 +228,10 @@ def bind_flash_globals(model_class: type) -> tuple[str, ...]:
 
 def unpatch() -> None:
     """Forget what was read, and unbind the names bound in model modules."""
-    global _computed
     ledger.unpatch_all()
     with _lock:
         _bound.clear()
-        _computed = None
+        _computed.clear()
 
 
 # Which flash registry keys the twins serve, and the keyword arguments their flash path computes
@@ -255,10 +268,11 @@ def uncomputed_error(
     (transformers' flash path would drop it for a kernel without it): never dropped. Returns the
     error the call meets without attnguard (to raise), after one event naming the argument;
     None when every argument is computed (also where the twins do not serve this entry)."""
-    if NOW.twin_arguments.get(entry.name) is None:
+    known = NOW.twin_arguments.get(entry.name)
+    if known is None:
         return None
     aside = judge(type(args[0])) if args else frozenset({ANY})
-    names = uncomputed(kwargs, None if ANY in aside else aside)
+    names = uncomputed(kwargs, None if ANY in aside else aside, known)
     if not names or len(args) < 4:
         return None
     error = unguarded_error(entry.name, args[1], args[2], args[3])

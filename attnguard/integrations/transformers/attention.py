@@ -81,9 +81,14 @@ def registry_kind(name: str, fn: Any) -> EntryKind | None:
 
 def _registry_entry(name: str, original: Callable[..., Any], kind: EntryKind) -> callguard.Entry:
     twin: Callable[..., Any] | None = None
+    known = identity(name)
+    family = known.family if known is not None else None
+    if kind == EntryKind.REGISTRY_SDPA:
+        family = Family.SDPA  # transformers' own sdpa function, under whatever key
+    elif kind != EntryKind.REGISTRY_FLASH and family is not Family.PAGED:
+        family = None  # a function of its own under a known name: its own semantics
     if kind == EntryKind.REGISTRY_FLASH:
-        kernel = identity(name)
-        dropout = kernel is None or kernel.family in DROPOUT_FAMILIES
+        dropout = known is None or known.family in DROPOUT_FAMILIES
         twin = _registry_flash_twin if dropout else _registry_flash_twin_no_dropout
     elif kind == EntryKind.REGISTRY_SDPA:
         twin = functools.partial(_sdpa_every_backend, original)
@@ -101,6 +106,7 @@ def _registry_entry(name: str, original: Callable[..., Any], kind: EntryKind) ->
         site_for=functools.partial(registry_site, name),
         uncomputed=arguments.uncomputed_error if kind == EntryKind.REGISTRY_FLASH else None,
         left_alone=_stepped_aside if kind == EntryKind.REGISTRY_FLASH else None,
+        family=family,
     )
 
 

@@ -23,68 +23,112 @@ from __future__ import annotations
 
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
-from ... import kernel_identity, runtime
-from ...computing import NOW, subject
-from ...kernels import Kernel, Verdict, flash_kernel_unusable
-from ..ledger import Ledger
+from ... import runtime
+from ...computing import NOW
+from ...fallback import families
+from ...fallback.families import Family
+from ...kernels import flash_kernel_unusable
 from . import twin_calls
 from . import wiring as transformers_wiring
-from .wiring import FUNC, GLOBALS, INDEX, IS_FA3, KVCACHE, PAD, UNPAD, VARLEN, Unrecognised, Wiring
-
-MODULE = "transformers.modeling_flash_attention_utils"
-SITE = "transformers.flash_kernels"
-_FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-
-ledger = Ledger("transformers_kernels")
-
-
-class _State:
-    """What this process knows about the patched module's flash path."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.module: ModuleType | None = None
-        self.wiring: Wiring | None = None
-        self.unrecognised = "transformers' flash code path has not been read"
-        self.probe: Any = None  # probe.Result, once run
-        self.override = threading.local()  # the probe's recorders, on the probing thread only
-
-
-_state = _State()
-
+from .flash_serving import (
+    announce,
+    refresh_serving,
+    serving,
+)
+from .flash_state import (
+    FA2_REQUEST,
+    FLASH_IMPLEMENTATIONS,
+    MODULE,
+    REQUEST_OF,
+    SITE,
+    clear_lazy_cache,
+    family_of,
+    ledger,
+    state,
+)
+from .wiring import GLOBALS, INDEX, IS_FA3, PAD, UNPAD, VARLEN, Unrecognised, Wiring
 
 # --- is the flash path kept? ---------------------------------------------------------------------
 
 
 def wiring() -> Wiring | None:
     """The recognised wiring of the patched module (None: unread or unrecognised)."""
-    return _state.wiring
+    return state.wiring
 
 
-def unrecognised() -> str:
-    """Why transformers' flash path cannot be kept on the twins in this process ("" when it can):
-    its wiring is not one attnguard recognises, or the probe found its behaviour differs."""
-    with _state.lock:
-        if _state.wiring is None or _state.module is None:
-            return _state.unrecognised
-        if _state.probe is None:
-            from . import probe
-
-            _state.probe = probe.run(
-                _state.module, _state.wiring, kernels=kernels_by_role, swapped=swapped_kernels
-            )
-            _refresh_serving()  # the probe may have found an argument not computed
-            if not _state.probe.ok:  # step aside: the flash path runs as transformers wrote it
+def unrecognised(implementation: Any = FA2_REQUEST) -> str:
+    """Why transformers' flash path cannot be kept on the twins of ``implementation``'s family
+    (:func:`family_of`) in this process ("" when it can): its wiring is not one attnguard
+    recognises, or the probe found its behaviour differs with those twins. flash-attn 2's twins
+    are probed first: where the path fails with them, attnguard steps aside for every family."""
+    family = family_of(implementation)
+    with state.lock:
+        if state.wiring is None or state.module is None:
+            return state.unrecognised
+        if state.probe is None:
+            state.probe = state.probes[families.FA2] = _probe(families.FA2)
+            refresh_serving()  # the probe may have found an argument not computed
+            if not state.probe.ok:  # step aside: the flash path runs as transformers wrote it
                 ledger.unpatch_all()
-                if _state.wiring.layout != GLOBALS:
-                    _clear_lazy_cache(_state.module, _state.wiring)
-        return "" if _state.probe.ok else _state.probe.reason
+                if state.wiring.layout != GLOBALS:
+                    clear_lazy_cache(state.module, state.wiring)
+        if not state.probe.ok:
+            return state.probe.reason
+        if family is families.FA2:
+            return ""
+        if state.wiring.layout == GLOBALS:  # the globals it binds at import are flash-attn 2's
+            return (
+                f"it binds flash-attn's functions at import, and attnguard's twins stand in for "
+                f"flash-attn 2's only, not for {family}'s"
+            )
+        unmasked = _no_flash_mask(implementation)
+        if unmasked:
+            return unmasked
+        found = state.probes.get(family)
+        if found is None:
+            found = state.probes[family] = _probe(family)
+            refresh_serving()
+        return "" if found.ok else found.reason
+
+
+def _no_flash_mask(implementation: Any) -> str:
+    """Why transformers would build no attention mask for a model loaded as ``implementation``
+    ("" where it builds flash's): its mask registry (``ALL_MASK_ATTENTION_FUNCTIONS``) holds
+    flash's mask for ``flash_attention_2`` but none for this request (4.54-4.56 for
+    ``flash_attention_3``), so a padded batch would reach the flash path unmasked. Read from the
+    registry, not the version; a hub kernel's name gets its mask from its loader."""
+    import importlib
+
+    name = implementation.split("|", 1)[-1] if isinstance(implementation, str) else None
+    if name not in FLASH_IMPLEMENTATIONS:
+        return ""
+    try:
+        masks = importlib.import_module("transformers.masking_utils").ALL_MASK_ATTENTION_FUNCTIONS
+        mapping = masks._global_mapping
+    except Exception:
+        return ""
+    if isinstance(mapping, dict) and FA2_REQUEST in mapping and name not in mapping:
+        return f"its attention masks have no {name} entry (a padded batch would go unmasked)"
+    return ""
+
+
+def _probe(family: Family) -> Any:
+    """The probe's verdict on transformers' flash path handed ``family``'s twins."""
+    from . import probe
+
+    assert state.module is not None and state.wiring is not None
+    return probe.run(
+        state.module,
+        state.wiring,
+        kernels=functools.partial(kernels_by_role, family),
+        swapped=functools.partial(swapped_kernels, family=family),
+        implementation=REQUEST_OF[family],
+    )
 
 
 def stepped_aside(implementation: str) -> str:
@@ -92,7 +136,7 @@ def stepped_aside(implementation: str) -> str:
     cannot run here ("" when it was not: the kernel runs, or the twins serve the path)."""
     if not _kernel_unusable(implementation):
         return ""
-    why = unrecognised()
+    why = unrecognised(implementation)
     if not why:
         return ""
     return (
@@ -115,30 +159,31 @@ def installed_flash_path() -> dict[str, Any]:
             "kept_on_twins": False,
             "why": f"transformers does not import ({type(exc).__name__})",
         }
-    ours = _state.module is None
+    ours = state.module is None
     if ours:
         patch(module)
     try:
-        why, wired, offset = unrecognised(), _state.wiring, _window_offset()
+        why, wired, offset = unrecognised(), state.wiring, _window_offset()
         return {
             "kept_on_twins": not why,
             "why": why,
             "wiring": wired.describe() if wired is not None else None,
             "window_size": None if offset is None else f"(w{offset[0]:+d}, w{offset[1]:+d})",
-            "probe_cases": list(getattr(_state.probe, "cases", ())),
+            "probe_cases": list(getattr(state.probe, "cases", ())),
         }
     finally:
         if ours:
             unpatch()
 
 
-def covers(model_class: type | None = None) -> bool:
-    """True when transformers' flash code path can run on the twins in this process (for
-    ``model_class``: before 4.54 only models whose attention goes through the registry call the
-    patched functions; Qwen2-VL and others bind flash-attn's functions in their own module)."""
-    if unrecognised():
+def covers(model_class: type | None = None, implementation: Any = FA2_REQUEST) -> bool:
+    """True when transformers' flash code path can run on the twins (of ``implementation``'s
+    family) in this process (for ``model_class``: before 4.54 only models whose attention goes
+    through the registry call the patched functions; Qwen2-VL and others bind flash-attn's
+    functions in their own module)."""
+    if unrecognised(implementation):
         return False
-    wired = _state.wiring
+    wired = state.wiring
     if wired is not None and wired.layout == GLOBALS and model_class is not None:
         return bool(getattr(model_class, "_supports_attention_backend", False))
     return True
@@ -155,82 +200,24 @@ def flash_window(sliding_window: int) -> tuple[int, int] | None:
 
 def _window_offset() -> tuple[int, int] | None:
     """The window convention as (left - w, right - w): recorded by the probe, else read."""
-    offset = getattr(_state.probe, "window_offset", None)
-    return offset if offset is not None else getattr(_state.wiring, "window_offset", None)
+    offset = getattr(state.probe, "window_offset", None)
+    return offset if offset is not None else getattr(state.wiring, "window_offset", None)
 
 
 # --- the twins, and saying so -------------------------------------------------------------------
 
 
-def _twins() -> dict[str, Callable[..., Any] | None]:
-    """The twins by role (a role is the flash-attn name of the function it stands for)."""
+def _twins(family: Family = families.FA2) -> dict[str, Callable[..., Any] | None]:
+    """``family``'s twins by role (a role is the flash-attn name of the function it stands for),
+    and the padding helpers."""
     from ... import fallback
 
-    roles = (FUNC, VARLEN, KVCACHE, PAD, UNPAD, INDEX)
-    twins = {role: getattr(fallback, role, None) for role in roles}
+    twins = {**families.twins_for(family)}
+    twins.update({role: getattr(fallback, role, None) for role in (PAD, UNPAD, INDEX)})
     varlen = twins[VARLEN]
     if varlen is not None:  # noting packed rows for the exit summary's advice
         twins[VARLEN] = twin_calls.recording_varlen(varlen)
     return twins
-
-
-def announced(implementation: str, reason_code: str, problem: str, change: str) -> None:
-    """A load-time ``backend_fallback`` (the plan's ``flash-on-sdpa`` row) said the twins compute
-    ``implementation``'s flash path: the table of what computes now records it."""
-    NOW.set(
-        subject("transformers", implementation),
-        Verdict(_identity(implementation), True, "flash-on-sdpa", reason_code, problem, change),
-    )
-
-
-def _identity(implementation: str) -> kernel_identity.KernelId:
-    found = kernel_identity.of_request(implementation)
-    return found or kernel_identity.KernelId(implementation, kernel_identity.Source.PACKAGE, None)
-
-
-def _announce(implementation: str) -> None:
-    """Say once that the flash path's kernels are the twins, unless a load already said so (a
-    model loaded before attnguard was active, or switched to flash by hand, arrives here)."""
-    from ... import facts
-    from ...failopen import report_internal_error
-    from ...observability import events
-
-    try:
-        if kernel_identity.hub_repo(implementation):  # its loader said so when it failed
-            return
-        row = subject("transformers", implementation)
-        if NOW.get(row) is not None:
-            return
-        status = facts.current(runtime.settings()).backend(implementation)
-        problem = f"{implementation} calls: {status.reason}"
-        change = (
-            "attnguard's SDPA twins of the flash-attn functions compute transformers' flash "
-            "code path (same semantics)"
-        )
-        NOW.set(
-            row,
-            Verdict(
-                _identity(implementation),
-                True,
-                "flash-on-sdpa",
-                status.reason_code,
-                problem,
-                change,
-            ),
-        )
-        events.emit(
-            "backend_fallback",
-            site=SITE,
-            reason_code=status.reason_code,
-            reason=f"{problem}; {change}",
-            requested=implementation,
-            selected=Kernel.SDPA_TWIN.value,
-            attn_implementation=implementation,
-            slower=False,
-            applied=True,
-        )
-    except Exception as exc:
-        report_internal_error(SITE, exc)
 
 
 def _kernel_unusable(implementation: Any) -> bool:
@@ -245,7 +232,7 @@ def _kernel_unusable(implementation: Any) -> bool:
         names = (implementation.split("|", 1)[-1],)
     else:
         return False
-    if not all(n in _FLASH_IMPLEMENTATIONS for n in names):
+    if not all(n in FLASH_IMPLEMENTATIONS for n in names):
         return False
     settings = runtime.settings()
     return all(flash_kernel_unusable(n, settings) is not None for n in names)
@@ -269,29 +256,32 @@ def _implementation(wired: Wiring, args: tuple[Any, ...], kwargs: dict[str, Any]
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def _kernels_for(module: ModuleType) -> dict[str, Any]:
-    """The twins by role; pad/unpad: the release's own torch helpers where it has them."""
-    t = _twins()
+def _kernels_for(module: ModuleType, family: Family = families.FA2) -> dict[str, Any]:
+    """``family``'s twins by role, signatures included: transformers hands each kernel only the
+    keyword arguments its signature declares, so it passes the twins what it would pass that
+    family's kernel (no dropout to flash-attn 3's or 4's). pad/unpad: the release's own torch
+    helpers where it has them."""
+    t = _twins(family)
     return {
         **t,
         PAD: _first_defined(module, "_pad_input", "_fa3_pad_input") or t["pad_input"],
         UNPAD: _first_defined(module, "_unpad_input", "_fa3_unpad_input") or t["unpad_input"],
-        IS_FA3: False,  # 4.54's flag: flash-attn 2's keyword arguments (dropout_p)
+        IS_FA3: not family.dropout,  # 4.54's flag: True, and it passes no dropout_p
     }
 
 
-def kernels_by_role() -> dict[str, Any]:
-    """The functions the flash path is handed here, by role (the probe records these)."""
-    module = _state.module
+def kernels_by_role(family: Family = families.FA2) -> dict[str, Any]:
+    """The functions the flash path is handed for ``family``, by role (the probe records these)."""
+    module = state.module
     if module is None:
         raise Unrecognised("the flash path is not patched")
-    return {role: fn for role, fn in _kernels_for(module).items() if callable(fn)}
+    return {role: fn for role, fn in _kernels_for(module, family).items() if callable(fn)}
 
 
 def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: ModuleType) -> Any:
     @functools.wraps(original)
     def _lazy_imports(*args: Any, **kwargs: Any) -> Any:
-        kernels = getattr(_state.override, "kernels", None)  # the probe's, on its thread
+        kernels = getattr(state.override, "kernels", None)  # the probe's, on its thread
         if kernels is None:
             implementation = _implementation(wired, args, kwargs)
             try:
@@ -301,70 +291,18 @@ def _make_lazy_imports(original: Callable[..., Any], wired: Wiring, module: Modu
 
                 report_internal_error(SITE, exc)
                 twins = False
-            if not twins or unrecognised():  # the first such call runs the probe
+            if not twins or unrecognised(implementation):  # the first such call runs the probe
                 return original(*args, **kwargs)
             chosen = (implementation or "flash_attention_2").split("|", 1)[-1]
-            _announce(chosen)
+            announce(chosen)
             serving(chosen)
-            kernels = _kernels_for(module)
+            kernels = _kernels_for(module, family_of(implementation))
         return tuple(kernels[role] for role in wired.returns)
 
     return _lazy_imports
 
 
-def _clear_lazy_cache(module: ModuleType, wired: Wiring) -> None:
-    """Forget kernels resolved before (or, at unpatch, while) attnguard was active: the globals
-    the release caches them in are emptied, so its next flash call resolves them again."""
-    for name in wired.caches:
-        if wired.cached_by_presence:
-            vars(module).pop(name, None)
-        elif getattr(module, name, None) is not None:
-            setattr(module, name, None)
-
-
 # --- the globals layout ---------------------------------------------------------------------------
-
-
-def _computed() -> frozenset[str]:
-    from . import arguments
-
-    with _state.lock:
-        missed = getattr(_state.probe, "uncomputed", None) or {}
-        return arguments.computed_arguments(_state.wiring, set(missed))
-
-
-def _refresh_serving() -> None:
-    """What the twins compute, read again (the probe has run)."""
-    from . import arguments
-
-    computed = _computed()
-    arguments.TWIN_ASIDE.clear()  # judged against the arguments computed before
-    for implementation in list(NOW.twin_arguments):
-        NOW.twin_arguments[implementation] = computed
-
-
-def serving(implementation: str) -> None:
-    """The twins serve ``implementation``'s flash path from now on (a flash_attention_N or a hub
-    kernel that did not load): its registry calls are checked for arguments the twins would not
-    compute (:mod:`.arguments`)."""
-    NOW.twin_arguments[implementation] = _computed()
-    watch_masks()
-
-
-def watch_masks() -> None:
-    """Watch whether transformers' own mask code holds packed rows apart (the exit summary's
-    advice: :mod:`.twin_calls`), from the first flash request on (its model's module imported the
-    mask code; its first forward builds a mask before any flash call)."""
-    twin_calls.watch_masks(sys.modules.get(twin_calls.MASKS), ledger)
-
-
-def stop_serving(implementation: str) -> None:
-    """``implementation``'s kernel loaded after all (a hub kernel the library tried again): the
-    twins no longer serve it, and the flash path resolves its kernels again at its next call."""
-    NOW.twin_arguments.pop(implementation, None)
-    module, wired = _state.module, _state.wiring
-    if module is not None and wired is not None and wired.layout != GLOBALS:
-        _clear_lazy_cache(module, wired)
 
 
 def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
@@ -377,7 +315,7 @@ def _announcing(twin: Callable[..., Any]) -> Callable[..., Any]:
             if unrecognised():  # the probe failed: the release's own None global, called
                 raise TypeError("'NoneType' object is not callable")
             said[0] = True
-            _announce("flash_attention_2")
+            announce("flash_attention_2")
         return twin(*args, **kwargs)
 
     return kernel
@@ -425,25 +363,27 @@ def _patch_globals(module: ModuleType, wired: Wiring) -> None:
 
 
 @contextmanager
-def swapped_kernels(kernels: dict[str, Any]) -> Iterator[None]:
+def swapped_kernels(kernels: dict[str, Any], family: Family = families.FA2) -> Iterator[None]:
     """While open, transformers' flash path on this thread gets ``kernels`` (by role) instead of
-    the twins: the probe's recording stand-ins (:mod:`.probe`)."""
-    module, wired = _state.module, _state.wiring
+    ``family``'s twins: the probe's recording stand-ins (:mod:`.probe`)."""
+    module, wired = state.module, state.wiring
     if module is None or wired is None:
         raise Unrecognised("the flash path is not patched")
     with twin_calls.unwatched():
-        yield from _swapped(module, wired, kernels)
+        yield from _swapped(module, wired, kernels, family)
 
 
-def _swapped(module: ModuleType, wired: Wiring, kernels: dict[str, Any]) -> Iterator[None]:
+def _swapped(
+    module: ModuleType, wired: Wiring, kernels: dict[str, Any], family: Family
+) -> Iterator[None]:
     if wired.layout != GLOBALS:
         cached = {n: vars(module).get(n, _MISSING) for n in wired.caches}
-        _state.override.kernels = {**_kernels_for(module), **kernels}
-        _clear_lazy_cache(module, wired)
+        state.override.kernels = {**_kernels_for(module, family), **kernels}
+        clear_lazy_cache(module, wired)
         try:
             yield
         finally:
-            _state.override.kernels = None
+            state.override.kernels = None
             for name, value in cached.items():  # what was resolved before, as it was
                 if value is _MISSING:
                     vars(module).pop(name, None)
@@ -475,25 +415,26 @@ def _swapped(module: ModuleType, wired: Wiring, kernels: dict[str, Any]) -> Iter
 def patch(module: ModuleType) -> None:
     """Hand transformers' flash code path the twins where flash-attn's kernel cannot run, if its
     wiring is one attnguard recognises (otherwise remember why not)."""
-    with _state.lock:
-        _state.module, _state.probe = module, None
+    with state.lock:
+        state.module, state.probe = module, None
+        state.probes.clear()
         try:
             wired = transformers_wiring.read(module)
         except Unrecognised as exc:
-            _state.wiring, _state.unrecognised = None, str(exc)
+            state.wiring, state.unrecognised = None, str(exc)
             return
         except Exception as exc:  # reading a module we do not know: not recognised, say why
-            _state.wiring = None
-            _state.unrecognised = f"reading it failed ({type(exc).__name__})"
+            state.wiring = None
+            state.unrecognised = f"reading it failed ({type(exc).__name__})"
             return
-        _state.wiring, _state.unrecognised = wired, ""
+        state.wiring, state.unrecognised = wired, ""
     if wired.layout == GLOBALS:
         _patch_globals(module, wired)
         return
     ledger.patch(
         module, transformers_wiring.LAZY_FUNCTION, lambda o: _make_lazy_imports(o, wired, module)
     )
-    _clear_lazy_cache(module, wired)
+    clear_lazy_cache(module, wired)
 
 
 def preload(implementation: str) -> None:
@@ -515,9 +456,10 @@ def unpatch() -> None:
     twin_calls.reset()
     NOW.twin_arguments.clear()
     arguments.TWIN_ASIDE.clear()
-    with _state.lock:
-        module, wired = _state.module, _state.wiring
-        _state.module, _state.wiring, _state.probe = None, None, None
-        _state.unrecognised = "transformers' flash code path has not been read"
+    with state.lock:
+        module, wired = state.module, state.wiring
+        state.module, state.wiring, state.probe = None, None, None
+        state.probes.clear()
+        state.unrecognised = "transformers' flash code path has not been read"
     if module is not None and wired is not None and wired.layout != GLOBALS:
-        _clear_lazy_cache(module, wired)
+        clear_lazy_cache(module, wired)

@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import facts as facts_mod
-from ... import kernel_identity, runtime
+from ... import runtime
 from ...errors import AttnGuardError
 from ...failopen import report_internal_error
-from ...kernel_identity import Source
 from ...plan import LoadRequest, is_flash, plan_backend
-from . import flash_path, hub, twin_calls
+from . import flash_serving, hub, twin_calls
 from .apply import active_settings, on_twins, report
 from .requests import SITE_INIT, SITE_SET_ATTN, sub_configs, support_fields
 from .scope import (
@@ -48,10 +47,11 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     support = support_fields(cls, requested)
     twin_calls.note_model(cls)  # what the advice may name for it (sub-models too)
     if support.get("flash_path_on_twins") or support.get("hub_kernel"):
-        flash_path.watch_masks()  # before the model's first forward builds its first mask
+        flash_serving.watch_masks()  # before the model's first forward builds its first mask
     if scope is not None and scope.backend_decided and support["supports_flash"]:
         # the outer load or model already decided (and reported) the backend
-        return GateDecision(_twins_attn(requested) if scope.twins else requested, scope.twins)
+        # the request stays: its flash path is handed the twins of its own family
+        return GateDecision(requested, scope.twins)
     site = scope.site if scope is not None else site_default
     facts = facts_mod.current(runtime.settings())
     request = LoadRequest(model=cls.__name__, site=site, attn_implementation=requested, **support)
@@ -62,15 +62,6 @@ def _gate_decision(cls: type, requested: Any, site_default: str) -> GateDecision
     if not settings.changes_things:
         return GateDecision(requested)
     return GateDecision(plan.attn_implementation, on_twins(plan, settings))
-
-
-def _twins_attn(requested: Any) -> Any:
-    """flash_attention_3/4 on the twins run flash_attention_2's path (the same functions)."""
-    if isinstance(requested, Mapping):
-        return {k: _twins_attn(v) for k, v in requested.items()}
-    kernel = kernel_identity.of_request(requested)
-    package_flash = kernel is not None and kernel.flash and kernel.source is Source.PACKAGE
-    return "flash_attention_2" if package_flash else requested
 
 
 def guarded_check_and_adjust(

@@ -43,6 +43,7 @@ from ...errors import AttnGuardError
 from ...facts import hub as hub_facts
 from ...failopen import report_internal_error
 from ..ledger import Ledger
+from . import wiring
 
 MODULE = "transformers.integrations.hub_kernels"
 SITE = "transformers.hub_kernel"  # events say f"{SITE}:{name}": one per hub kernel
@@ -301,7 +302,7 @@ def _loaded(key: Any, name: str, repo: str, kernel: Any) -> None:
     """The hub kernel loaded: it computes every call, untouched. Recorded as what it is (the
     functions it exports), its registry entry guarded by that, and the twins that served it
     before (a load that failed earlier in this process) no longer do."""
-    from . import attention, flash_path
+    from . import attention, flash_serving
 
     hub_facts.record(repo, None, package())
     identity = kernel_identity.of_hub_module(name, kernel)
@@ -309,7 +310,7 @@ def _loaded(key: Any, name: str, repo: str, kernel: Any) -> None:
     was_on_twins = NOW.on_twins(row)
     callguard.apply_verdict(runtime.IN_FORCE.settings, kernels.verdict(identity, None), SITE, row)
     if was_on_twins:
-        flash_path.stop_serving(name)
+        flash_serving.stop_serving(name)
     utils = sys.modules.get("transformers.modeling_utils")
     if utils is not None:
         attention.reidentify(utils, str(key))
@@ -320,7 +321,7 @@ def _failed(
 ) -> Any:
     """The loader raised: record why, decide, and return the twins' stand-in module or None
     (the error stands)."""
-    from . import flash_path
+    from . import flash_path, flash_serving
 
     outcome = hub_facts.record(repo, exc, package())
     current = _GATE.get()
@@ -331,12 +332,11 @@ def _failed(
         if NOW.on_twins(row):  # decided before (and said): the twins serve it again
             return _twins_module(key, args, kw)
         uncomputed: tuple[str, ...] = ()
-        path_problem = flash_path.unrecognised()
+        path_problem = flash_path.unrecognised(name)
         if cls is not None and not path_problem:
-            from . import arguments, routing
+            from . import routing
 
-            computed = arguments.computed_arguments()
-            uncomputed = tuple(routing.uncomputed_keywords(cls, computed))
+            uncomputed = tuple(routing.uncomputed_keywords(cls, flash_serving.computed_for(name)))
         identity = kernel_identity.of_request(name)
         assert identity is not None  # a hub name: hub_repo(name) is not None
         decided = kernels.verdict(
@@ -373,8 +373,9 @@ def _failed(
 def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     """Do what the loader does for a flash kernel that loaded — register ``key``'s attention
     function (transformers' flash attention, or the wrapper it was given) and flash's mask — and
-    return a stand-in for the kernel module holding the twins of its functions."""
-    from . import flash_path
+    return a stand-in for the kernel module holding the twins of its functions: those of the
+    kernel's family, so transformers passes them what it would pass the kernel."""
+    from . import flash_path, flash_serving, flash_state
 
     utils = sys.modules["transformers.modeling_utils"]
     registry = utils.ALL_ATTENTION_FUNCTIONS
@@ -389,14 +390,23 @@ def _twins_module(key: Any, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
     if masks is not None:
         masks.register(key, masks["flash_attention_2"])
     name = str(key).split("|", 1)[-1]
-    flash_path.serving(name)
-    twins = flash_path.kernels_by_role()
-    return SimpleNamespace(
+    flash_serving.serving(name)
+    twins = flash_path.kernels_by_role(flash_state.family_of(name))  # its family's, signatures too
+    stand_in = SimpleNamespace(
         __name__=f"attnguard twins of {name}",
         flash_attn_func=twins.get("flash_attn_func"),
         flash_attn_varlen_func=twins.get("flash_attn_varlen_func"),
         flash_attn_with_kvcache=twins.get("flash_attn_with_kvcache"),
     )
+    flash_utils = sys.modules.get(flash_state.MODULE)
+    forward = getattr(flash_utils, "_flash_attention_forward", None)
+    if "implementation" in wiring._named_parameters(forward):
+        # 4.56-4.57: the loader binds the kernel module into the attention function and
+        # resolves its functions at once (the flash path would otherwise take whichever
+        # flash-attn it finds, not this kernel's family)
+        registry.register(key, functools.partial(wrapper, implementation=stand_in))
+        flash_utils.lazy_import_flash_attention(stand_in, force_import=True)
+    return stand_in
 
 
 # --- patch / unpatch ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from . import attention, flash_path, hub, loading
+from . import attention, flash_path, flash_state, hub, loading
 
 
 def patch(modeling_utils: ModuleType) -> None:
@@ -20,7 +20,7 @@ def patch(modeling_utils: ModuleType) -> None:
     attention.patch(modeling_utils)
     hub.patch()
     try:
-        flash_utils = importlib.import_module(flash_path.MODULE)
+        flash_utils = importlib.import_module(flash_state.MODULE)
     except ImportError:
         return
     flash_path.patch(flash_utils)

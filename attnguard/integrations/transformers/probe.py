@@ -22,6 +22,11 @@ explicit attention, no twin involved):
   them to the twins does not fail the probe: ``s_aux`` is then an argument the twins do not
   compute (``Result.uncomputed``), and a model that passes it is not run on them.
 
+It runs once per flash-attn family whose twins the path is handed (:mod:`attnguard.fallback.
+families`), the calls made as that family's request (``flash_attention_3`` for flash-attn 3's
+twins): transformers hands each family's kernels what their signatures declare (flash-attn 3's
+and 4's no dropout), and a family whose twins take no sinks finds them not computed.
+
 Every call must reach a stand-in in the role the wiring gave it, with arguments the twin takes
 (a twin has no ``**kwargs``: an argument it does not know raises), and every output must match.
 Anything else -- an exception anywhere in transformers' path, a stand-in never called, a
@@ -119,14 +124,15 @@ class _Recorder:
         return stand_in
 
 
-def _module(torch: Any, causal: bool) -> Any:
-    """What transformers' flash entry reads from the attention module calling it."""
+def _module(torch: Any, causal: bool, implementation: str = FLASH_KEY) -> Any:
+    """What transformers' flash entry reads from the attention module calling it (the request
+    it reads its kernels by: ``implementation``)."""
     module = torch.nn.Module()
     # read for float32 inputs only; on "meta": no weights drawn from the global RNG
     module.proj = torch.nn.Linear(2, 2, dtype=torch.float64, device="meta")
     module.is_causal = causal
     module.layer_idx = 0
-    module.config = types.SimpleNamespace(_attn_implementation=FLASH_KEY)
+    module.config = types.SimpleNamespace(_attn_implementation=implementation)
     return module
 
 
@@ -167,7 +173,9 @@ def _window_offset(calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], w: 
     return left - w, right - w
 
 
-def _check(torch: Any, entry: Callable[..., Any], recorder: _Recorder) -> Result:
+def _check(
+    torch: Any, entry: Callable[..., Any], recorder: _Recorder, implementation: str
+) -> Result:
     generator = torch.Generator().manual_seed(20261125)
     offset = None
     uncomputed: dict[str, str] = {}
@@ -175,7 +183,7 @@ def _check(torch: Any, entry: Callable[..., Any], recorder: _Recorder) -> Result
         if case.optional in uncomputed:
             continue
         try:
-            found = _check_case(torch, entry, recorder, case, generator)
+            found = _check_case(torch, entry, recorder, case, generator, implementation)
         except ProbeFailed as exc:
             if not case.optional:
                 raise
@@ -186,14 +194,19 @@ def _check(torch: Any, entry: Callable[..., Any], recorder: _Recorder) -> Result
 
 
 def _check_case(
-    torch: Any, entry: Callable[..., Any], recorder: _Recorder, case: _Case, generator: Any
+    torch: Any,
+    entry: Callable[..., Any],
+    recorder: _Recorder,
+    case: _Case,
+    generator: Any,
+    implementation: str,
 ) -> Any:
     """One case; returns the window offset it recorded (None if it has no window)."""
     from ...fallback.registry import flash_call_on_sdpa
 
     offset = None
     q, k, v, mask, kwargs = _inputs(torch, case, generator)
-    module = _module(torch, case.causal)
+    module = _module(torch, case.causal, implementation)
     recorder.calls.clear()
     try:
         got, _ = entry(module, q, k, v, mask, dropout=0.0, scaling=None, **kwargs)
@@ -250,11 +263,15 @@ def run(
     *,
     kernels: Callable[[], dict[str, Callable[..., Any]]],
     swapped: Callable[[dict[str, Callable[..., Any]]], Any],
+    implementation: str = FLASH_KEY,
 ) -> Result:
     """Run transformers' flash path (the registry entry) on the recording twins; never raises.
 
-    ``kernels()``: the twins the flash path is handed, by role; ``swapped(kernels)``: a context in
-    which the flash path is handed ``kernels`` instead (the flash path module's own)."""
+    ``kernels()``: the twins the flash path is handed, by role (one family's);
+    ``swapped(kernels)``: a context in which the flash path is handed ``kernels`` instead (the
+    flash path module's own); ``implementation``: the flash request the calls make (the one
+    the family's twins serve: transformers passes each family's kernels what their signatures
+    declare, flash-attn 3's no dropout)."""
     import sys
 
     try:
@@ -270,7 +287,7 @@ def run(
             # on the CPU whatever device block the caller's code is in (a model built under
             # ``torch.device("meta")``, as transformers' own loading does)
             with torch.device("cpu"), swapped(recorder.kernels), torch.no_grad():
-                return _check(torch, entry, recorder)
+                return _check(torch, entry, recorder, implementation)
         finally:
             torch.set_num_threads(threads)
     except ProbeFailed as exc:

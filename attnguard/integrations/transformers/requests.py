@@ -146,9 +146,11 @@ def support_fields(cls: type, attn: Any) -> dict[str, Any]:
     if hub_kernel:  # transformers loads a hub kernel for it: tried as without attnguard
         fields["hub_kernel"] = hub_kernel
     elif flash and _flash_kernel_unusable(attn):
-        why = flash_path.unrecognised()
+        values = attn.values() if isinstance(attn, Mapping) else [attn]
+        request = next((v for v in values if is_flash(v)), None)  # the family's twins serve it
+        why = flash_path.unrecognised(request)
         fields["flash_path_unrecognised"] = why
-        fields["flash_path_on_twins"] = not why and flash_path.covers(cls)
+        fields["flash_path_on_twins"] = not why and flash_path.covers(cls, request)
         fields.update(_routing_fields(cls, attn) if not why else {})
     return fields
 

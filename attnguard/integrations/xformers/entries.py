@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 from ... import callguard, kernels, runtime
+from ...kernel_identity import Family
 from ..ledger import Ledger, unrecognised_entry
 
 ledger = Ledger("xformers")
@@ -35,6 +36,7 @@ def _wrap(original: Any) -> Any:
         mask="attn_bias",
         site=SITE,
         in_force=runtime.IN_FORCE,
+        family=Family.XFORMERS,
     )
     return callguard.wrap_direct(entry)
 
