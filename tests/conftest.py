@@ -37,8 +37,8 @@ attnguard.deactivate()
 
 # Test files whose subject does not depend on the transformers release (the job story across
 # ranks and nodes, its delivery at exit to OpenTelemetry and a log shipper, the benchmarks' smoke
-# runs, diffusers' hub-kernel backends; the releases after the newest, which only the newest
-# predicts): marked `once`; CI runs them in its newest lane (its torch lanes the smoke ones among
+# runs, diffusers' hub-kernel backends, the map of the tests; the releases after the newest, which
+# only the newest predicts): marked `once`; CI runs them in its newest lane (its torch lanes the smoke ones among
 # them) and deselects them in the pinned transformers lanes. The README's test commands run them.
 ONCE = {
     "test_bench_smoke.py",
@@ -49,6 +49,7 @@ ONCE = {
     "test_log_shipper.py",
     "test_otel_exit.py",
     "test_readme_numbers.py",
+    "test_tests_map.py",
     "test_unknown_release.py",
 }
 

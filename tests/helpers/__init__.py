@@ -1,8 +1,8 @@
-"""What the tests share: tiny models (models), events (events), child processes (processes),
-tensors and float64 references (tensors), the stand-ins and optional packages (packages).
+"""What the tests share: child processes (processes), events (events), tiny models (models),
+tensors and float64 references (tensors, kvcache, torch_flash, family_rules), the stand-ins and
+optional packages (packages), and the inputs of the planner, kernel selection, file-safety and
+start-up hook tests (plans, selection, files, hook). tests/README.md says what each holds.
 
 Tests import these modules directly (pytest puts tests/ on ``sys.path``); workers, run as
-scripts in child processes, put tests/ on ``sys.path`` first. Each module imports only the
-standard library at the top (torch in tensors), so a worker that must not import attnguard or
-transformers before its moment can still use them.
+scripts in child processes, put tests/ on ``sys.path`` first.
 """
