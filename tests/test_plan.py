@@ -19,6 +19,7 @@ from helpers.plans import (
     TW,
     VERL_RANK0,
     S,
+    check_case,
     machine,
     req,
     summary,
@@ -473,17 +474,7 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
 @pytest.mark.smoke
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_decision_table(case: tuple) -> None:
-    _name, facts, request, settings, expected, (attn, kernels, dtype, device) = case
-    plan = plan_load(request, facts, settings)
-    assert summary(plan) == expected
-    assert plan.attn_implementation == attn
-    assert plan.kernels == kernels
-    assert plan.dtype == dtype
-    assert plan.device == device
-    for action in plan.actions:
-        assert action.reason()  # every action says why
-        assert action.rule in {r.id for r in TABLE}
-        assert action.event == next(r.event for r in TABLE if r.id == action.rule)
+    check_case(case)
 
 
 @pytest.mark.smoke

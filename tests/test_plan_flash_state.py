@@ -12,16 +12,16 @@ from helpers.plans import (
     PLACE,
     TW,
     S,
+    check_case,
     machine,
     req,
-    summary,
     twins,
     unusable,
 )
 
 from attnguard import facts as F
 from attnguard.config import Settings
-from attnguard.plan import TABLE, LoadRequest, plan_load
+from attnguard.plan import LoadRequest
 
 # (id, facts, request, settings, expected actions as (rule, event, reason_code), load with)
 # "load with" = (attn_implementation, kernels, dtype to inject, device to place on)
@@ -256,14 +256,4 @@ CASES: list[tuple[str, F.Facts, LoadRequest, Settings, list[tuple[str, str, str]
 @pytest.mark.smoke
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_decision_table(case: tuple) -> None:
-    _name, facts, request, settings, expected, (attn, kernels, dtype, device) = case
-    plan = plan_load(request, facts, settings)
-    assert summary(plan) == expected
-    assert plan.attn_implementation == attn
-    assert plan.kernels == kernels
-    assert plan.dtype == dtype
-    assert plan.device == device
-    for action in plan.actions:
-        assert action.reason()  # every action says why
-        assert action.rule in {r.id for r in TABLE}
-        assert action.event == next(r.event for r in TABLE if r.id == action.rule)
+    check_case(case)

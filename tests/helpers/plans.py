@@ -9,7 +9,7 @@ from typing import Any
 
 from attnguard import facts as F
 from attnguard.config import Settings
-from attnguard.plan import LoadRequest, Plan
+from attnguard.plan import TABLE, LoadRequest, Plan, plan_load
 
 FLASH = "flash_attention_2"
 GPUS = {"H100": (9, 0), "A100": (8, 0), "V100": (7, 0), "T4": (7, 5)}
@@ -65,3 +65,19 @@ def unusable(code: str) -> tuple[str, str, str]:
 VERL_RANK0 = F.InitContext(default_device="cpu", device_context="cpu")
 # a flash path attnguard does not recognise: transformers' own, observed
 ASIDE = ("flash-path-unrecognised", "observed", "flash_path_unrecognised")
+
+
+def check_case(case: tuple) -> None:
+    """One case of the decision table: the planner's actions are the expected ones, each saying
+    why and named in plan.TABLE with its event; the load goes ahead with what the case says."""
+    _name, facts, request, settings, expected, (attn, kernels, dtype, device) = case
+    plan = plan_load(request, facts, settings)
+    assert summary(plan) == expected
+    assert plan.attn_implementation == attn
+    assert plan.kernels == kernels
+    assert plan.dtype == dtype
+    assert plan.device == device
+    for action in plan.actions:
+        assert action.reason()  # every action says why
+        assert action.rule in {r.id for r in TABLE}
+        assert action.event == next(r.event for r in TABLE if r.id == action.rule)

@@ -129,24 +129,15 @@ def hub(forwards: int) -> dict[str, object]:
     import torch
     import transformers  # with ATTNGUARD=1, guarded by attnguard's start-up hook
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
+    from helpers.models import save_tiny
+
     from attnguard.observability import numerics
 
     loaded = []
     for head_dim in (16, 32):
-        config = transformers.LlamaConfig(
-            vocab_size=128,
-            hidden_size=4 * head_dim,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            pad_token_id=0,
-        )
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
         path = Path(os.environ["WORK_DIR"]) / f"llama-{head_dim}"
-        model.save_pretrained(path)
+        save_tiny(path, dtype=torch.bfloat16, hidden_size=4 * head_dim, max_position_embeddings=256)
         model = transformers.LlamaForCausalLM.from_pretrained(
             path, attn_implementation="kernels-community/flash-attn2", dtype=torch.bfloat16
         )
