@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 from helpers.packages import STANDINS
-from helpers.processes import PY, REPO, subprocess_env
+from helpers.processes import PY, fresh_venv, subprocess_env
 
 import attnguard
 from attnguard import runtime
@@ -130,32 +128,9 @@ def test_from_import_binds_the_guarded_function_only_after_activation(tmp_path: 
 # --- real installs and the start-up hook -------------------------------------------------------
 
 
-def _fresh_venv(root: Path, editable: bool) -> Path:
-    """A new venv with attnguard pip-installed; torch & co. come from this venv via a .pth."""
-    venv = root / ("venv-e" if editable else "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    target = ["-e", str(REPO)] if editable else [str(REPO)]
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", *target],
-        check=True,
-    )
-    site = Path(
-        subprocess.run(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
-    # sorts before attnguard.pth, so dependencies are importable when the hook runs
-    (site / "_attnguard_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return venv
-
-
 @pytest.fixture(scope="module", params=[False, True], ids=["pip-install", "pip-install-e"])
 def venv(request, tmp_path_factory) -> Path:
-    return _fresh_venv(tmp_path_factory.mktemp("venvs"), editable=request.param)
+    return fresh_venv(tmp_path_factory.mktemp("venvs"), editable=request.param)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

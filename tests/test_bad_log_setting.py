@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.hook import env_for, needs_hook
 from helpers.processes import PY, subprocess_env
-from test_quiet import env_for, needs_hook
 
 from attnguard import config
 from attnguard.config import Settings

@@ -13,8 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.hook import env_for
 from helpers.processes import PY, REPO
-from test_quiet import env_for
 
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("bench_*.py"))
 

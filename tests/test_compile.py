@@ -151,7 +151,7 @@ def test_dtype_fix_is_inside_the_graph(guard):
 
 def test_var_module_calling_xformers_compiles_whole(guard):
     pytest.importorskip("xformers.ops")
-    from test_direct_entry import VARSelfAttention
+    from helpers.modules import VARSelfAttention
 
     attn = VARSelfAttention("xformers").eval()
     x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3)).to(BF16)

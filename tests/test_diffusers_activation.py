@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from helpers.packages import STANDINS, diffusers_dispatch
-from helpers.processes import PY, REPO, subprocess_env
+from helpers.processes import PY, REPO, fresh_venv, subprocess_env
 
 diffusers_dispatch()  # or the module skips, saying why diffusers is not here
 
@@ -153,9 +153,8 @@ def test_diffusers_outside_the_supported_versions_is_not_patched() -> None:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_activation import _fresh_venv
 
-    return _fresh_venv(tmp_path_factory.mktemp("venv"), editable=False)
+    return fresh_venv(tmp_path_factory.mktemp("venv"), editable=False)
 
 
 def _installed_env(venv: Path, **extra: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.packages import hub_standin
+from helpers.packages import hub_standin, local_kernels_unservable
 from helpers.processes import PY, REPO, subprocess_env
 
 from attnguard import kernel_identity as kid
@@ -196,36 +196,10 @@ def test_every_rule_the_verdict_gives_is_in_the_table() -> None:
 # --- end to end: the stand-ins, guarded and unguarded -------------------------------------------------
 
 
-def _local_kernels_served() -> str:
-    """Why this transformers cannot load a local stand-in hub kernel here ("" where it can)."""
-    if not KERNELS:
-        return os.environ.get("TEST_KERNELS_ABSENT") or "no kernels package (run scripts/test.sh)"
-    package = Path(KERNELS, "kernels")
-    if not any("LOCAL_KERNELS" in f.read_text(errors="replace") for f in package.rglob("*.py")):
-        return "this kernels release loads no kernel from a local folder"
-    import transformers.utils.import_utils as utils
-    from packaging.specifiers import SpecifierSet
-
-    low = getattr(utils, "KERNELS_MIN_VERSION", None)
-    high = getattr(utils, "KERNELS_MAX_VERSION", None)
-    window = ",".join(f"{op}{v}" for op, v in ((">=", low), ("<", high)) if v)
-    from importlib import metadata
-
-    dist = next(metadata.distributions(path=[KERNELS], name="kernels"), None)
-    version = dist.version if dist is not None else "?"
-    if window and version not in SpecifierSet(window):
-        return f"no hub kernel can load beside this transformers: kernels {version}, it accepts kernels{window}"
-    import transformers.integrations.hub_kernels as hub_kernels
-
-    if not callable(getattr(hub_kernels, "load_and_register_attn_kernel", None)):
-        return "this transformers has no loader of attention hub kernels to register one's own function"
-    return ""
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    why = _local_kernels_served()
+    why = local_kernels_unservable()
     if why:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("hub-identity")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.hook import env_for, needs_hook
 from helpers.processes import PY
-from test_quiet import env_for, needs_hook
 
 from attnguard import importhooks
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from helpers.events import json_lines
+from helpers.hook import env_for, needs_hook
 from helpers.processes import PY
-from test_quiet import env_for, json_lines, needs_hook
 
 pytestmark = needs_hook
 

@@ -14,10 +14,9 @@ import os
 import subprocess
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers.events import names
+from helpers.events import json_lines, names
 from helpers.hook import env_for, needs_hook
 from helpers.processes import PY
 
@@ -33,19 +32,6 @@ def run_script(
     return subprocess.run(
         [PY, str(script), *args], env=env, capture_output=True, text=True, timeout=300
     )
-
-
-def json_lines(text: str) -> list[dict[str, Any]]:
-    out = []
-    for line in text.splitlines():
-        if line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and rec.get("schema") == 1:
-                out.append(rec)
-    return out
 
 
 # --- nothing happened: nothing on the console ----------------------------------------------------

@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.events import json_lines
+from helpers.hook import env_for, needs_hook
 from helpers.packages import STANDINS
 from helpers.processes import PY
-from test_quiet import env_for, json_lines, needs_hook
 
 pytestmark = needs_hook
 

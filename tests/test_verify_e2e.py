@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers.packages import hub_standin
+from helpers.packages import hub_standin, local_kernels_unservable
 from helpers.processes import PY, REPO, subprocess_env
 
 WORKER = REPO / "tests" / "workers" / "verify_worker.py"
@@ -181,9 +181,8 @@ def test_a_hub_kernel_with_a_bug_at_one_head_dimension_is_caught(tmp_path: Path)
     check's first call of each bucket (rate 0.5: calls 0, 2, 4 of 6 per model) finds the head
     dimension where it is wrong, and only there."""
     pytest.importorskip("transformers")
-    from test_hub_identity import _local_kernels_served
 
-    why = _local_kernels_served()
+    why = local_kernels_unservable()
     if why:
         pytest.skip(why)
     repo = hub_standin().write_repo(tmp_path / "flash-attn2")

@@ -353,7 +353,7 @@ def test_xformers_broken_ops_carried_by_the_fallback(guard, xformers_ops):
 @pytest.mark.parametrize("backend", ["flash", "xformers"])
 def test_var_attention_on_gpu(guard, backend, request):
     request.getfixturevalue("xformers_ops" if backend == "xformers" else "real_flash")
-    from test_direct_entry import VARSelfAttention
+    from helpers.modules import VARSelfAttention
 
     torch.manual_seed(0)
     attn = VARSelfAttention(backend).to(CUDA).eval()

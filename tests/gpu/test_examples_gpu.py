@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import gpuenv  # noqa: E402
-from test_examples import EXAMPLES, run_example  # noqa: E402
+from helpers.examples import EXAMPLES, run_example  # noqa: E402
 
 FLASH_CASES = ["real", "absent"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_ranks import FLASH, decisions, launch
+from helpers.ranks import FLASH, decisions, launch
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

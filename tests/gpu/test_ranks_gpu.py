@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_ranks import FLASH, assert_ranks_agree, decisions, launch
+from helpers.ranks import FLASH, assert_ranks_agree, decisions, launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_ranks import FLASH, decisions, launch
+from helpers.ranks import FLASH, decisions, launch
 
 pytestmark = [pytest.mark.gpu]
 

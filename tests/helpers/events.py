@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # Every event's fixed fields, in order: the schema as users read it (spelled out, not imported
@@ -94,3 +95,17 @@ OTEL_CASES: list[tuple[str, str, str, dict[str, Any]]] = [
         },
     ),
 ]
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """attnguard's records among a stream's lines (the JSON objects of schema 1)."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and rec.get("schema") == 1:
+                out.append(rec)
+    return out

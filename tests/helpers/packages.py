@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from helpers.processes import TESTS
 
 STANDINS = TESTS / "standins"
+# the kernels package scripts/test.sh provides for the hub-kernel tests' programs only
+KERNELS_DIR = os.environ.get("TEST_KERNELS_DIR")
 
 
 def hub_standin() -> Any:
@@ -70,3 +73,29 @@ def flash_status() -> Any:
     if status.usable:
         pytest.skip("flash-attn is usable here: these tests need it absent or broken")
     return status
+
+
+def local_kernels_unservable() -> str:
+    """Why this transformers cannot load a local stand-in hub kernel here ("" where it can)."""
+    if not KERNELS_DIR:
+        return os.environ.get("TEST_KERNELS_ABSENT") or "no kernels package (run scripts/test.sh)"
+    package = Path(KERNELS_DIR, "kernels")
+    if not any("LOCAL_KERNELS" in f.read_text(errors="replace") for f in package.rglob("*.py")):
+        return "this kernels release loads no kernel from a local folder"
+    import transformers.utils.import_utils as utils
+    from packaging.specifiers import SpecifierSet
+
+    low = getattr(utils, "KERNELS_MIN_VERSION", None)
+    high = getattr(utils, "KERNELS_MAX_VERSION", None)
+    window = ",".join(f"{op}{v}" for op, v in ((">=", low), ("<", high)) if v)
+    from importlib import metadata
+
+    dist = next(metadata.distributions(path=[KERNELS_DIR], name="kernels"), None)
+    version = dist.version if dist is not None else "?"
+    if window and version not in SpecifierSet(window):
+        return f"no hub kernel can load beside this transformers: kernels {version}, it accepts kernels{window}"
+    import transformers.integrations.hub_kernels as hub_kernels
+
+    if not callable(getattr(hub_kernels, "load_and_register_attn_kernel", None)):
+        return "this transformers has no loader of attention hub kernels to register one's own function"
+    return ""

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -87,3 +88,26 @@ def free_port() -> int:
 def first_line(exc: BaseException, limit: int = 300) -> str:
     """``Type: the message's first line`` (at most ``limit`` characters of it)."""
     return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:limit]}"
+
+
+def fresh_venv(root: Path, editable: bool) -> Path:
+    """A new venv with attnguard pip-installed; torch & co. come from this venv via a .pth."""
+    venv = root / ("venv-e" if editable else "venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    target = ["-e", str(REPO)] if editable else [str(REPO)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", *target],
+        check=True,
+    )
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    # sorts before attnguard.pth, so dependencies are importable when the hook runs
+    (site / "_attnguard_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv
