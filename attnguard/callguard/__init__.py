@@ -96,7 +96,8 @@ def guard(
                         faster = made[3](name, args, kwargs, made[1])
                     except Exception:
                         faster = ()
-            if faster.__class__ is tuple:
+            # ``faster is ask`` first: torch 2.4's compiler cannot read a tuple's __class__
+            if faster is ask or faster.__class__ is tuple:
                 try:
                     bad = check(args, kwargs)
                 except Exception:

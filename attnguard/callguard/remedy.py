@@ -32,13 +32,12 @@ from .entry import (
 )
 from .refusals import as_made
 
-_REGISTRY = frozenset(
-    {
-        EntryKind.REGISTRY_FLASH,
-        EntryKind.REGISTRY_SDPA,
-        EntryKind.REGISTRY_OTHER,
-        EntryKind.REGISTRY_PAGED,
-    }
+# a tuple, not a frozenset: torch 2.8's compiler cannot trace a frozenset's membership test
+_REGISTRY = (
+    EntryKind.REGISTRY_FLASH,
+    EntryKind.REGISTRY_SDPA,
+    EntryKind.REGISTRY_OTHER,
+    EntryKind.REGISTRY_PAGED,
 )
 
 

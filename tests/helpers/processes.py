@@ -19,7 +19,13 @@ PY = sys.executable
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for a child Python that imports this checkout of attnguard."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNGUARD")}
+    # not attnguard's settings, nor .ci/run's records of this session (a child pytest session
+    # would write its own times over this one's)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("ATTNGUARD") and k not in ("TEST_FILE_TIMES", "TEST_TIMES_FILE")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(extra)
     return env

@@ -36,7 +36,9 @@ MODULE = "transformers.modeling_flash_attention_utils"
 
 ledger = Ledger("transformers_arguments")
 _lock = threading.RLock()
-_computed: dict[Any, frozenset[str]] = {}  # family -> what its twins compute
+# family name -> what its twins compute (keyed by the name: torch.compile hashes a str, not a
+# Family, on the per-call read)
+_computed: dict[str, frozenset[str]] = {}
 _NONE: frozenset[str] = frozenset()  # a constant: torch 2.4 cannot trace a call of frozenset()
 
 
@@ -79,7 +81,7 @@ def computed_arguments(
     lock being a graph break there; the one dict read is atomic)."""
     family = families.FA2 if family is None else family
     if wiring is None:
-        found = _computed.get(family)
+        found = _computed.get(family.name)
         return found if found is not None else _NONE
     with _lock:
         twin = families.twins_for(family)[families.VARLEN]
@@ -93,8 +95,8 @@ def computed_arguments(
             )
         }
         known = (_registry_parameters() | set(wiring.path_parameters) | _typed_kwargs()) - dropped
-        _computed[family] = frozenset(known)
-        return _computed[family]
+        _computed[family.name] = frozenset(known)
+        return _computed[family.name]
 
 
 def named_uncomputed(caller: type) -> frozenset[str] | None:
