@@ -6,7 +6,7 @@ kernel a library tried to load in this process.
 Whether a hub kernel loads is never guessed here and never asked of the network by attnguard:
 the library that loads it (transformers, diffusers) tries, exactly as it would without attnguard,
 and its integration records the outcome (:func:`record`). The decision that follows a failure —
-compute it on the twins, or step aside — is :func:`attnguard.kernels.when_hub_kernel_fails`.
+compute it on the twins, or step aside — is :func:`attnguard.kernels.verdict`.
 """
 
 from __future__ import annotations

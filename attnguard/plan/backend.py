@@ -63,7 +63,7 @@ def plan_backend_into(request: LoadRequest, facts: Facts, settings: Settings, dr
     for target, want in targets(request.attn_implementation):
         if not is_flash(want) or request.hub_kernel:
             # no flash request, or one transformers serves from the kernel hub: the hub kernel
-            # is tried as it would be without attnguard (kernels.when_hub_kernel_fails decides
+            # is tried as it would be without attnguard (kernels.verdict decides
             # where it cannot load)
             continue
         status = facts.backend(want)

@@ -44,7 +44,7 @@ class LoadRequest:
     flash_uncomputed: tuple[str, ...] = ()
     # the Hugging Face hub kernel transformers itself loads for this flash request ("" = none):
     # it is tried as without attnguard (where it cannot load: attnguard.kernels.
-    # when_hub_kernel_fails decides, at transformers' loader of hub kernels)
+    # kernels.verdict decides, at transformers' loader of hub kernels)
     hub_kernel: str = ""
     model_bytes: int | None = None
 

@@ -10,7 +10,7 @@ error) and then ``_maybe_download_kernel_for_backend`` (``kernels.get_kernel``: 
 
 * the hub kernel loads: it computes every call, untouched; recorded (:mod:`attnguard.facts.hub`,
   ``attnguard doctor``), no event;
-* it cannot (either raised): recorded, and :func:`attnguard.kernels.when_hub_kernel_fails`
+* it cannot (either raised): recorded, and :func:`attnguard.kernels.verdict`
   decides. Where the kernel's functions are flash-attn's, ``kernel_fn`` becomes attnguard's twin
   of the function the backend calls (:func:`.twins.hub_kernel_twin`) and diffusers' backend
   function runs as it would with the kernel (one ``backend_fallback`` per hub kernel, site

@@ -15,7 +15,7 @@ work with (``_compatible_flash_implementations``: GPT-OSS goes to
   and the activated event say which hub kernel serves);
 * one that cannot load (no ``kernels``, a version transformers refuses, offline without a cached
   build, no build for this torch and device, its import failing) is recorded too
-  (:mod:`attnguard.facts.hub`), and :func:`attnguard.kernels.when_hub_kernel_fails` decides: the
+  (:mod:`attnguard.facts.hub`), and :func:`attnguard.kernels.verdict` decides: the
   twins compute it where its functions are flash-attn's (the loader registers the request's
   attention and mask functions as it would have, and hands transformers' flash code path the
   twins in place of the kernel's functions), or attnguard steps aside (its error stands). One
