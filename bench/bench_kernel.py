@@ -51,7 +51,9 @@ sys.path.insert(0, str(HERE))
 os.environ.setdefault("ATTNGUARD_LOG", "none")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_twins import ab, gpu_ms, lengths, packed_row, qwen2_05b, row  # noqa: E402
+from _twins_models import packed_row  # noqa: E402
+from bench_fallback import qwen2_05b  # noqa: E402
+from bench_twins import ab, gpu_ms, lengths, row  # noqa: E402
 
 PARTS = ("fresh", "dense", "packed", "decode", "7b")
 DEFAULT_PARTS = "fresh,dense,packed,decode"

@@ -47,7 +47,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import _smoke  # noqa: E402
-import bench_twins as bt  # noqa: E402  (timers, the decoder model, real_flash)
+import _twins_models as tm  # noqa: E402  (the decoder model)
+import bench_twins as bt  # noqa: E402  (timers, real_flash, the shapes)
 
 PARTS = ("calls", "floor", "step", "numerics")
 SMOKE_PARTS = ("calls", "step")
@@ -285,16 +286,16 @@ def part_step(args: argparse.Namespace) -> list[str]:
 
     fi = bt.real_flash()
     layers, hidden, h, hk, d = bt.DECODER
-    model = bt.decoder(layers, hidden, h, hk, d)
+    model = tm.decoder(layers, hidden, h, hk, d)
     twin = fallback.flash_attn_with_kvcache
     lines = []
     for b, ctx in bt.DECODE_SHAPES:
-        real = bt.decode_step(model, fi.flash_attn_with_kvcache, b, ctx, hk, d, hidden)
+        real = tm.decode_step(model, fi.flash_attn_with_kvcache, b, ctx, hk, d, hidden)
         for name, run in (
-            ("twin", bt.decode_step(model, twin, b, ctx, hk, d, hidden)),
+            ("twin", tm.decode_step(model, twin, b, ctx, hk, d, hidden)),
             (
                 "twin, torch ops",
-                wrapped(bt.decode_step(model, twin, b, ctx, hk, d, hidden), torch_route),
+                wrapped(tm.decode_step(model, twin, b, ctx, hk, d, hidden), torch_route),
             ),
         ):
             label = f"{layers}-layer decode step B{b} ctx {ctx}: real vs {name}"
