@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import sys
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +31,7 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
     import attnguard
     from attnguard import kernels
     from attnguard.integrations.transformers import flash_path as tk
+    from attnguard.integrations.transformers import flash_state
 
     state = {"broken": False}
     saved = kernels.flash_kernel_unusable
@@ -38,12 +39,14 @@ def kernels_switch() -> Iterator[Callable[[str], None]]:
         "extension_broken" if state["broken"] else None
     )
     attnguard.activate(log="none")
+    importlib.import_module("transformers.modeling_utils")  # patched on import, as a model load
+    module = importlib.import_module(flash_state.MODULE)
 
     def use(which: str) -> None:
         broken = which == "twins"
         if broken != state["broken"]:  # switch: transformers resolves its kernels again
             state["broken"] = broken
-            tk._clear_lazy_cache(sys.modules[tk.MODULE], tk.wiring())
+            flash_state.clear_lazy_cache(module, tk.wiring())
 
     try:
         yield use

@@ -510,6 +510,11 @@ def main() -> int:
             if any(f"| {p} | error:" in line for line in lines):
                 return 1
             _smoke.ran(f"{p} (--dry-run: the twins stand in for the real kernel, on the CPU)")
+        # train and generate need the GPU; the switch between the kernels they time runs here
+        with models.kernels_switch() as use:
+            use("twins")
+            use("real")
+        _smoke.ran("train and generate's switch between flash-attn and the twins")
         for p in sorted(set(GPU_PARTS) - set(DRY_PARTS)):
             _smoke.skipped(p, "needs a CUDA GPU and the real flash-attn")
         return _smoke.done()
