@@ -103,6 +103,16 @@ class EntryKind(StrEnum):
     REGISTRY_PAGED = "registry_paged"  # a paged entry (the cache update inside): never re-run
 
 
+# The kinds of transformers' attention registry entries (called as transformers calls them). A
+# tuple, not a frozenset: torch 2.8's compiler cannot trace a frozenset's membership test.
+REGISTRY_KINDS = (
+    EntryKind.REGISTRY_FLASH,
+    EntryKind.REGISTRY_SDPA,
+    EntryKind.REGISTRY_OTHER,
+    EntryKind.REGISTRY_PAGED,
+)
+
+
 # (when, the question, the one place that answers it), in the order they are asked
 QUESTIONS: tuple[tuple[str, str, str], ...] = (
     (

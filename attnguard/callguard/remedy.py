@@ -14,6 +14,7 @@ from ..errors import AttnGuardError
 from ..failopen import OriginalCall
 from ..fallback.registry import move_tensors
 from ..kernels import (
+    REGISTRY_KINDS,
     EntryKind,
     Kernel,
     classify_kernel_error,
@@ -31,14 +32,6 @@ from .entry import (
     release_notes,
 )
 from .refusals import as_made
-
-# a tuple, not a frozenset: torch 2.8's compiler cannot trace a frozenset's membership test
-_REGISTRY = (
-    EntryKind.REGISTRY_FLASH,
-    EntryKind.REGISTRY_SDPA,
-    EntryKind.REGISTRY_OTHER,
-    EntryKind.REGISTRY_PAGED,
-)
 
 
 class _Refused(Exception):
@@ -95,7 +88,7 @@ def _remedy(
     names = entry.tensors
     query = c.get(names[0])
     dev = query.device
-    registry = entry.kind in _REGISTRY
+    registry = entry.kind in REGISTRY_KINDS
     mask = c.get(entry.mask) if entry.mask else None
     paged = entry.kind == EntryKind.REGISTRY_PAGED or (registry and kwargs.get("cache") is not None)
 

@@ -19,19 +19,13 @@ from typing import Any
 import torch
 
 from ..kernel_identity import DROPOUT_FAMILIES, Family
-from ..kernels import EntryKind
+from ..kernels import REGISTRY_KINDS, EntryKind
 from . import explicit
 from .explicit import Rules
 
 Tensor = torch.Tensor
 
 FLASH, XFORMERS, TRANSFORMERS, DIFFUSERS = "flash_attn", "xformers", "transformers", "diffusers"
-_REGISTRY = (
-    EntryKind.REGISTRY_FLASH,
-    EntryKind.REGISTRY_SDPA,
-    EntryKind.REGISTRY_OTHER,
-    EntryKind.REGISTRY_PAGED,
-)
 _KIND_CONVENTION = {EntryKind.FLASH_KERNEL: FLASH, EntryKind.XFORMERS: XFORMERS}
 # the arguments whose values change a kernel's code path: part of a call's sampling bucket
 BUCKET_ARGS = (
@@ -59,7 +53,7 @@ def convention_of(entry: Any) -> str | None:
         return given
     if entry.kind in _KIND_CONVENTION:
         return _KIND_CONVENTION[entry.kind]
-    return TRANSFORMERS if entry.kind in _REGISTRY else None
+    return TRANSFORMERS if entry.kind in REGISTRY_KINDS else None
 
 
 def signature_of(fn: Callable[..., Any]) -> inspect.Signature | None:
